@@ -1,0 +1,22 @@
+from minisgl.kvcache import KVPool
+from minisgl.utils import Registry
+
+from .base import AttentionBackend, AttnMetadata, build_metadata
+from .torch_backend import TorchBackend
+
+ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention backend")
+ATTENTION_BACKENDS.register("torch")(TorchBackend)
+
+
+def create_attention_backend(name: str, pool: KVPool, page_table) -> AttentionBackend:
+    return ATTENTION_BACKENDS.get(name)(pool, page_table)
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "AttnMetadata",
+    "TorchBackend",
+    "build_metadata",
+    "create_attention_backend",
+]

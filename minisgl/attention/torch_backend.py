@@ -1,0 +1,39 @@
+import torch
+import torch.nn.functional as F
+
+from minisgl.core import Batch
+from minisgl.kernel import store_kv
+
+from .base import AttentionBackend, AttnMetadata
+
+
+class TorchBackend(AttentionBackend):
+    """The reference: gathers each request's K/V through the page table and runs SDPA with a causal
+    mask placed at the request's absolute positions. One request at a time; clear, not fast."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
+        store_kv(k_cache, v_cache, batch.out_loc, k, v)
+        meta: AttnMetadata = batch.attn_metadata
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        cu = meta.cu_seqlens_q.tolist()
+        for i, (slot, seq_len) in enumerate(
+            zip(meta.slots.tolist(), meta.seq_lens.tolist(), strict=True)
+        ):
+            start, end = cu[i], cu[i + 1]
+            if start == end:
+                continue
+            locs = self.page_table[slot, :seq_len].long()
+            keys = k_cache[locs].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+            values = v_cache[locs].repeat_interleave(group, dim=1).transpose(0, 1)
+            query = q[start:end].transpose(0, 1)  # [H, T, D]
+            # the t-th new token sits at absolute position seq_len - T + t and sees keys up to it
+            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            out[start:end] = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask
+            ).transpose(0, 1)
+        return out

@@ -1,0 +1,178 @@
+"""The vocabulary every module shares: sampling parameters, requests, batches, the forward context.
+
+Names used the same way everywhere:
+- `req`: one request; `batch`: the requests computed in one forward step.
+- `slot`: a request's row in the page table and the token table.
+- `cached_len`: tokens of a request whose KV is in the pool.
+- `device_len`: tokens of a request whose ids are in the device token table (prompt + sampled,
+  including a token still being sampled by an in-flight step).
+- `extend_len`: tokens a step computes for a request (1 for decode, a chunk for prefill).
+- `out_loc`: the pool locations (page * page_size + offset) a step writes K/V to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.attention import AttentionBackend
+
+FinishReason = Literal["stop", "length", "abort"]
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next tokens and when to stop. Validated on creation; temperature 0 = greedy."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(_is_number(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
+        check(
+            _is_int(self.top_k) and (self.top_k in (-1, 0) or self.top_k >= 1),
+            "top_k must be -1 (disabled) or >= 1",
+        )
+        check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be >= 1")
+        check(self.seed is None or _is_int(self.seed), "seed must be an integer")
+        check(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+        )
+        # normalise to hashable tuples once, here, so every reader sees one form
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        check(all(isinstance(s, str) and s for s in stop), "stop must be non-empty strings")
+        stop_ids = tuple(self.stop_token_ids or ())
+        check(all(_is_int(t) and t >= 0 for t in stop_ids), "stop_token_ids must be ints >= 0")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(eq=False)
+class Req:
+    """One request. Owned and advanced by the scheduler only."""
+
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling seed: params.seed, or one drawn at arrival
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    slot: int = -1
+    cached_len: int = 0
+    device_len: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.device_len = len(self.prompt_ids)
+
+    @property
+    def known_ids(self) -> list[int]:
+        """Every token id the host has seen: prompt, then sampled."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens sampled so far, including one an in-flight step is still producing."""
+        return self.device_len - len(self.prompt_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.cached_len < self.device_len - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Batch:
+    """The requests of one forward step and the device tensors that describe it.
+
+    Host lists are snapshots taken when the step was scheduled (the requests move on afterwards):
+    request i computes tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]).
+    """
+
+    reqs: list[Req]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    sample_rows: list[int]  # rows whose sampled token is kept (a mid-prompt chunk samples nothing)
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    out_loc: torch.Tensor  # [num_tokens]
+    slots: torch.Tensor  # [size], on the device
+    is_decode: bool
+    all_logits: bool = False  # logits for every token instead of each request's last
+    attn_metadata: Any = None  # built by the attention backend, once per batch
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class Context:
+    """What layers read during a forward: the batch being computed and the attention backend."""
+
+    attn_backend: AttentionBackend | None = None
+    batch: Batch | None = None
+
+    @contextmanager
+    def forward_batch(self, batch: Batch) -> Iterator[None]:
+        assert self.batch is None, "nested forward"
+        self.batch = batch
+        try:
+            yield
+        finally:
+            self.batch = None
+
+
+_GLOBAL_CTX = Context()
+
+
+def get_global_ctx() -> Context:
+    return _GLOBAL_CTX

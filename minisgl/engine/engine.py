@@ -1,0 +1,180 @@
+"""Engine = model + KV pool + attention backend + sampler (+ CUDA graphs).
+
+It computes a batch and returns sampled tokens; it never changes a request. The page table it
+allocates is written by the scheduler's KV cache manager, except the dummy row set up here.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from minisgl.attention import create_attention_backend
+from minisgl.core import Batch, get_global_ctx
+from minisgl.distributed import set_tp_info
+from minisgl.kvcache import KVPool
+from minisgl.models import ModelConfig, load_model
+from minisgl.utils import cached_load_hf_config, init_logger, resolve_device, resolve_dtype
+
+from .config import EngineConfig
+from .graph import GraphRunner
+from .sampler import SampleOutput, Sampler, SamplingArgs
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ForwardOutput:
+    """Sampled tokens on the device (for the next step's inputs) and their host copy, which is
+    ready once `wait()` returns."""
+
+    device: SampleOutput
+    host: SampleOutput
+    done: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and config.tp_size > 1:
+            self.device = torch.device("cuda", config.tp_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        set_tp_info(config.tp_rank, config.tp_size)
+        if config.tp_size > 1:
+            self._init_distributed(config)
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.tp_size))
+        torch.manual_seed(0)
+
+        self.model_config = ModelConfig.from_hf(cached_load_hf_config(config.model_path))
+        mc = self.model_config
+        free_before = _free_memory(self.device)
+        self.model = load_model(
+            config.model_path, mc, self.device, self.dtype, config.dummy_weights
+        )
+
+        self.num_pages = self._num_pages(free_before)
+        self.page_size = config.page_size
+        num_kv_heads = self.model.model.layers[0].self_attn.attn.num_kv_heads
+        self.pool = KVPool(
+            mc.num_layers,
+            self.num_pages,
+            self.page_size,
+            num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
+        # the longest sequence: what positions the model knows and the pool can hold
+        self.max_seq_len = min(mc.max_position_embeddings, self.num_pages * self.page_size)
+        width = -(-self.max_seq_len // self.page_size) * self.page_size
+        self.dummy_slot = config.max_running_requests  # the last row is the padding request's
+        self.page_table = torch.zeros(
+            (config.max_running_requests + 1, width), dtype=torch.int32, device=self.device
+        )
+        self.page_table[self.dummy_slot] = self.pool.dummy_loc
+
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.attn_backend = create_attention_backend(backend, self.pool, self.page_table)
+        get_global_ctx().attn_backend = self.attn_backend
+        self.sampler = Sampler(mc.vocab_size, self.device)
+
+        max_bs = config.cuda_graph_max_bs
+        if max_bs is None:
+            max_bs = config.max_running_requests if self.device.type == "cuda" else 0
+        self.graph_runner = None
+        if max_bs > 0:
+            self.graph_runner = GraphRunner(
+                self.model,
+                self.attn_backend,
+                min(max_bs, config.max_running_requests),
+                self.dummy_slot,
+                self.pool.dummy_loc,
+                width,
+                self.device,
+            )
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV pages of %d tokens, max_seq_len %d",
+            mc.architecture,
+            self.device,
+            self.dtype,
+            self.num_pages,
+            self.page_size,
+            self.max_seq_len,
+        )
+
+    def _init_distributed(self, config: EngineConfig) -> None:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=config.dist_init_method,
+            rank=config.tp_rank,
+            world_size=config.tp_size,
+        )
+
+    def _num_pages(self, free_before: int) -> int:
+        c, mc = self.config, self.model_config
+        if c.max_kv_tokens is not None:
+            return -(-c.max_kv_tokens // c.page_size)
+        num_kv_heads = self.model.model.layers[0].self_attn.attn.num_kv_heads
+        per_token = KVPool.bytes_per_token(mc.num_layers, num_kv_heads, mc.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            used_by_model = free_before - _free_memory(self.device)
+            budget = int(c.memory_fraction * free_before) - used_by_model
+        else:  # host memory is shared with everything else: take a modest share
+            budget = int(0.2 * free_before)
+        tokens = min(budget // per_token, c.max_running_requests * mc.max_position_embeddings)
+        if c.tp_size > 1:  # every rank must agree on the pool size
+            t = torch.tensor([tokens], device=self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            tokens = int(t.item())
+        if tokens < c.page_size:
+            raise RuntimeError(f"no memory left for the KV cache ({budget} bytes)")
+        return tokens // c.page_size
+
+    def forward_logits(self, batch: Batch) -> torch.Tensor:
+        """Compute one batch; logits for each request's last token (every token if all_logits)."""
+        self.attn_backend.prepare(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
+        with get_global_ctx().forward_batch(batch):
+            return self.model.forward()
+
+    def forward(self, batch: Batch, args: SamplingArgs) -> ForwardOutput:
+        """Compute one batch and sample one token per request."""
+        assert not batch.all_logits
+        out = self.sampler.sample(self.forward_logits(batch), args)
+        host = SampleOutput(*(None if t is None else _to_host(t) for t in vars(out).values()))
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return ForwardOutput(out, host, done)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    return t.to("cpu", non_blocking=True)
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,140 @@
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from minisgl.utils import Registry, to_device
+
+from .allocator import PageAllocator
+from .prefix_cache import NaiveCache, PrefixCache
+from .radix_cache import RadixCache
+
+PREFIX_CACHES: Registry[PrefixCache] = Registry("cache")
+PREFIX_CACHES.register("radix")(RadixCache)
+PREFIX_CACHES.register("naive")(NaiveCache)
+
+
+class KVCacheManager:
+    """Which KV pages each request slot holds, and the page table that says so.
+
+    The page table ([slots + 1, max_seq_len] on the device) maps a slot's token positions to pool
+    locations. This class is its only writer; attention backends read it.
+    """
+
+    def __init__(
+        self, num_pages: int, page_size: int, page_table: torch.Tensor, cache: str
+    ) -> None:
+        self.page_size = page_size
+        self.page_table = page_table
+        self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = PREFIX_CACHES.get(cache)(page_size)
+        self._pages: dict[int, list[int]] = {}  # slot -> its pages, in position order
+        self._handles: dict[int, Any] = {}  # slot -> locked prefix-cache handle
+        self._shared: dict[int, int] = {}  # slot -> leading pages it got from the prefix cache
+        # (slot, first position) -> page, to write at the next flush; a dict so a later write wins
+        self._pending: dict[tuple[int, int], int] = {}
+        self._offsets = torch.arange(page_size, device=page_table.device)
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def available_pages(self) -> int:
+        """Pages a new allocation can get: free ones plus evictable cached ones."""
+        return self.allocator.num_free + self.prefix_cache.num_evictable_pages
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - self.allocator.num_free
+
+    def pages_needed(self, slot: int, new_len: int) -> int:
+        return max(0, -(-new_len // self.page_size) - len(self._pages.get(slot, ())))
+
+    def capacity(self, slot: int) -> int:
+        """The longest the slot's sequence can grow to with the pages it has and can get."""
+        return (len(self._pages.get(slot, ())) + self.available_pages) * self.page_size
+
+    # ------------------------------------------------------------------ request life cycle
+    def admit(self, slot: int, ids: Sequence[int]) -> int:
+        """Start a slot from the longest cached prefix of `ids`; returns its length in tokens."""
+        assert slot not in self._pages
+        handle, pages = self.prefix_cache.match(ids)
+        self.prefix_cache.lock(handle)
+        self._handles[slot] = handle
+        self._shared[slot] = len(pages)
+        self._pages[slot] = []
+        self._assign(slot, pages)
+        return len(pages) * self.page_size
+
+    def reserve(self, slot: int, new_len: int) -> bool:
+        """Make the slot's pages cover positions [0, new_len), evicting cached prefixes if needed.
+        Allocates nothing and returns False when there are not enough pages."""
+        need = self.pages_needed(slot, new_len)
+        if need > self.available_pages:
+            return False
+        short = need - self.allocator.num_free
+        if short > 0:
+            self.allocator.free(self.prefix_cache.evict(short))
+        self._assign(slot, self.allocator.alloc(need))
+        return True
+
+    def cache_prefix(self, slot: int, ids: Sequence[int]) -> None:
+        """Publish the slot's computed whole pages of `ids` to the prefix cache while the request
+        keeps running (so later requests can share them); the slot keeps its own pages."""
+        num = len(ids) // self.page_size
+        handle, _ = self.prefix_cache.insert(ids[: num * self.page_size], self._pages[slot][:num])
+        self.prefix_cache.lock(handle)
+        self.prefix_cache.unlock(self._handles[slot])
+        self._handles[slot] = handle
+
+    def release(self, slot: int, ids: Sequence[int]) -> None:
+        """Give up every page of the slot; whole pages of `ids` (tokens with computed KV) stay in
+        the prefix cache for later requests."""
+        pages = self._pages.pop(slot)
+        num = len(ids) // self.page_size
+        assert num >= self._shared.pop(slot), (
+            "ids must cover the prefix the slot got from the cache"
+        )
+        _, duplicates = self.prefix_cache.insert(ids[: num * self.page_size], pages[:num])
+        self.prefix_cache.unlock(self._handles.pop(slot))
+        self.allocator.free(duplicates + pages[num:])
+
+    def _assign(self, slot: int, pages: list[int]) -> None:
+        """Append pages to the slot; their page-table entries are written at the next flush()."""
+        first = len(self._pages[slot])
+        self._pages[slot] += pages
+        for i, page in enumerate(pages):
+            self._pending[slot, (first + i) * self.page_size] = page
+
+    def flush(self) -> None:
+        """Write every page assigned since the last flush into the page table, in one launch."""
+        if not self._pending:
+            return
+        host = torch.tensor(
+            [(*key, page) for key, page in self._pending.items()], dtype=torch.int64
+        )
+        self._pending.clear()
+        rows, starts, pages = to_device(host, self.page_table.device).T
+        cols = starts[:, None] + self._offsets
+        self.page_table[rows[:, None], cols] = (
+            pages[:, None] * self.page_size + self._offsets
+        ).int()
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every page is exactly one of: free, cached, or held privately
+        by one slot, and the prefix cache's locks are exactly the slots' handles."""
+        free = self.allocator.free_pages()
+        cached = self.prefix_cache.cached_pages()
+        cached_set = set(cached)
+        private = [p for pages in self._pages.values() for p in pages if p not in cached_set]
+        assert len(free) == len(set(free)), "a page is free twice"
+        assert not set(free) & cached_set, "a page is both free and cached"
+        assert not set(free) & set(private), "a page is both free and in use"
+        assert len(private) == len(set(private)), "a page is held by two slots"
+        assert len(free) + len(cached) + len(private) == self.num_pages, (
+            f"free {len(free)} + cached {len(cached)} + in use {len(private)} != {self.num_pages}"
+        )
+        self.prefix_cache.check_integrity(list(self._handles.values()))

@@ -1,0 +1,169 @@
+"""Radix prefix cache over whole pages.
+
+    root ─ [The cat sat ] ─ [on the mat] ─ ...      each edge holds whole pages of token ids,
+         └ [Once upon a ] ─ [time there]             each node the KV pages of its edge
+
+A request that matches a prefix locks the path from its node to the root; only unlocked nodes can
+be evicted, leaves first, least recently used first.
+"""
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+from .prefix_cache import PrefixCache
+
+
+class RadixNode:
+    def __init__(self, key: tuple[int, ...] = (), pages: list[int] | None = None) -> None:
+        self.key = key  # token ids on the edge into this node; len == len(pages) * page_size
+        self.pages = pages or []
+        self.parent: RadixNode | None = None
+        self.children: dict[tuple[int, ...], RadixNode] = {}  # keyed by the child's first page
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+class RadixCache(PrefixCache):
+    def __init__(self, page_size: int) -> None:
+        super().__init__(page_size)
+        self.root = RadixNode()
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = itertools.count(1)
+        self._num_cached = 0
+        self._num_locked = 0  # pages in nodes with lock_ref > 0
+
+    # ------------------------------------------------------------------ queries
+    def _first_page(self, ids: Sequence[int], start: int) -> tuple[int, ...]:
+        return tuple(ids[start : start + self.page_size])
+
+    def _common_pages(self, node: RadixNode, ids: Sequence[int], start: int) -> int:
+        """How many whole pages of node.key equal ids[start:]."""
+        ps, n = self.page_size, 0
+        while (n + 1) * ps <= len(node.key) and start + (n + 1) * ps <= len(ids):
+            if tuple(ids[start + n * ps : start + (n + 1) * ps]) != node.key[n * ps : (n + 1) * ps]:
+                break
+            n += 1
+        return n
+
+    def _walk(self, ids: Sequence[int]) -> tuple[RadixNode, list[int], int]:
+        """Follow ids down the tree, splitting a node where the match ends inside it.
+        Returns (deepest matched node, its path's pages, matched token count)."""
+        node, pages, pos, now = self.root, [], 0, next(self._clock)
+        node.last_access = now
+        while pos + self.page_size <= len(ids):
+            child = node.children.get(self._first_page(ids, pos))
+            if child is None:
+                break
+            n = self._common_pages(child, ids, pos)
+            if n * self.page_size < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            pages += child.pages
+            pos += len(child.key)
+            node = child
+        return node, pages, pos
+
+    def match(self, ids: Sequence[int]) -> tuple[RadixNode, list[int]]:
+        node, pages, _ = self._walk(ids)
+        return node, pages
+
+    # ------------------------------------------------------------------ updates
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Cut `node` after `num_pages` pages; returns the new upper half."""
+        assert 0 < num_pages < len(node.pages)
+        cut = num_pages * self.page_size
+        upper = RadixNode(node.key[:cut], node.pages[:num_pages])
+        upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
+        parent = node.parent
+        assert parent is not None
+        upper.parent = parent
+        parent.children[upper.key[: self.page_size]] = upper
+        node.key, node.pages = node.key[cut:], node.pages[num_pages:]
+        node.parent = upper
+        upper.children[node.key[: self.page_size]] = node
+        return upper
+
+    def insert(self, ids: Sequence[int], pages: list[int]) -> tuple[RadixNode, list[int]]:
+        ps = self.page_size
+        assert len(ids) == len(pages) * ps, "insert whole pages only"
+        node, cached, pos = self._walk(ids)
+        duplicates = [mine for mine, theirs in zip(pages, cached, strict=False) if mine != theirs]
+        if pos < len(ids):
+            leaf = RadixNode(tuple(ids[pos:]), pages[pos // ps :])
+            leaf.parent, leaf.last_access = node, node.last_access
+            node.children[leaf.key[:ps]] = leaf
+            self._num_cached += len(leaf.pages)
+            node = leaf
+        return node, duplicates
+
+    def lock(self, handle: RadixNode) -> None:
+        node: RadixNode | None = handle
+        while node is not None and node is not self.root:
+            if node.lock_ref == 0:
+                self._num_locked += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, handle: RadixNode) -> None:
+        node: RadixNode | None = handle
+        while node is not None and node is not self.root:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._num_locked -= len(node.pages)
+            node = node.parent
+
+    def evict(self, num_pages: int) -> list[int]:
+        leaves = [
+            (n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0
+        ]
+        heapq.heapify(leaves)
+        freed: list[int] = []
+        while leaves and len(freed) < num_pages:
+            _, _, node = heapq.heappop(leaves)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[: self.page_size]]
+            freed += node.pages
+            self._num_cached -= len(node.pages)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        return freed
+
+    # ------------------------------------------------------------------ accounting
+    def _nodes(self) -> list[RadixNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self._num_cached - self._num_locked
+
+    def cached_pages(self) -> list[int]:
+        return [p for node in self._nodes() for p in node.pages]
+
+    def check_integrity(self, held_handles: list[RadixNode]) -> None:
+        expected: dict[int, int] = {}
+        for handle in held_handles:
+            node: RadixNode | None = handle
+            while node is not None and node is not self.root:
+                expected[id(node)] = expected.get(id(node), 0) + 1
+                node = node.parent
+        nodes = self._nodes()
+        for node in nodes:
+            assert (
+                node.parent is not None
+                and node.parent.children.get(node.key[: self.page_size]) is node
+            )
+            assert len(node.key) == len(node.pages) * self.page_size > 0
+            assert node.lock_ref == expected.pop(id(node), 0), "lock count differs from holders"
+        assert not expected, "a request holds a node that is not in the tree"
+        pages = self.cached_pages()
+        assert len(pages) == len(set(pages)) == self._num_cached, "a page is cached twice"
+        locked = sum(len(n.pages) for n in nodes if n.lock_ref > 0)
+        assert locked == self._num_locked

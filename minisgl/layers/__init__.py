@@ -1,0 +1,35 @@
+from .activation import SiluAndMul
+from .attention import AttentionLayer
+from .base import BaseOP, OPList, StateLessOP
+from .embedding import ParallelLMHead, VocabParallelEmbedding
+from .linear import (
+    LinearColParallelMerged,
+    LinearOProj,
+    LinearQKVMerged,
+    LinearReplicated,
+    LinearRowParallel,
+    local_kv_heads,
+)
+from .norm import RMSNorm, RMSNormFused
+from .rotary import RotaryEmbedding, get_rope, set_rope_device
+
+__all__ = [
+    "AttentionLayer",
+    "BaseOP",
+    "LinearColParallelMerged",
+    "LinearOProj",
+    "LinearQKVMerged",
+    "LinearReplicated",
+    "LinearRowParallel",
+    "OPList",
+    "ParallelLMHead",
+    "RMSNorm",
+    "RMSNormFused",
+    "RotaryEmbedding",
+    "SiluAndMul",
+    "StateLessOP",
+    "VocabParallelEmbedding",
+    "get_rope",
+    "local_kv_heads",
+    "set_rope_device",
+]

@@ -1,0 +1,106 @@
+"""BaseOP: the one thing an inference engine needs from nn.Module, collecting and loading weights by name.
+
+Three rules: a public Tensor attribute is a weight named by its attribute path; a public BaseOP
+attribute is a sub-op; attributes starting with `_` take no part. Loading *replaces* each tensor
+(no copy), so a model built on the meta device costs nothing until its weights arrive.
+"""
+
+from abc import abstractmethod
+from typing import Any, Generic, TypeVar
+
+import torch
+
+StateDict = dict[str, torch.Tensor]
+
+
+def _concat_prefix(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class BaseOP:
+    @abstractmethod
+    def forward(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def state_dict(self, *, prefix: str = "", result: StateDict | None = None) -> StateDict:
+        result = result if result is not None else {}
+        for name, param in self.__dict__.items():
+            if name.startswith("_"):
+                continue
+            if isinstance(param, torch.Tensor):
+                result[_concat_prefix(prefix, name)] = param
+            elif isinstance(param, BaseOP):
+                param.state_dict(prefix=_concat_prefix(prefix, name), result=result)
+        return result
+
+    def load_state_dict(
+        self, state_dict: StateDict, *, prefix: str = "", _internal: bool = False
+    ) -> None:
+        """Take this op's tensors out of `state_dict` (it is consumed); leftovers are an error."""
+        for name, param in self.__dict__.items():
+            if name.startswith("_"):
+                continue
+            if isinstance(param, torch.Tensor):
+                key = _concat_prefix(prefix, name)
+                if key not in state_dict:
+                    raise KeyError(f"missing tensor {key!r}")
+                item = state_dict.pop(key)
+                if param.shape != item.shape or param.dtype != item.dtype:
+                    raise ValueError(
+                        f"tensor {key!r}: expected {tuple(param.shape)} {param.dtype}, "
+                        f"got {tuple(item.shape)} {item.dtype}"
+                    )
+                setattr(self, name, item)
+            elif isinstance(param, BaseOP):
+                param.load_state_dict(
+                    state_dict, prefix=_concat_prefix(prefix, name), _internal=True
+                )
+        _check_leftover(state_dict, _internal)
+
+
+def _check_leftover(state_dict: StateDict, internal: bool) -> None:
+    if not internal and state_dict:
+        raise RuntimeError(f"Unexpected keys in state_dict: {list(state_dict.keys())}")
+
+
+class StateLessOP(BaseOP):
+    """An op with no weights (RoPE, the attention layer): its state_dict is always empty."""
+
+    def state_dict(self, *, prefix: str = "", result: StateDict | None = None) -> StateDict:
+        return result if result is not None else {}
+
+    def load_state_dict(
+        self, state_dict: StateDict, *, prefix: str = "", _internal: bool = False
+    ) -> None:
+        _check_leftover(state_dict, _internal)
+
+
+T = TypeVar("T", bound=BaseOP)
+
+
+class OPList(BaseOP, Generic[T]):
+    """A list of ops named 0, 1, 2 and so on, matching layers.0 and layers.1 in the checkpoint."""
+
+    def __init__(self, ops: list[T]) -> None:
+        self.op_list = ops
+
+    def __iter__(self):
+        return iter(self.op_list)
+
+    def __len__(self) -> int:
+        return len(self.op_list)
+
+    def __getitem__(self, i: int) -> T:
+        return self.op_list[i]
+
+    def state_dict(self, *, prefix: str = "", result: StateDict | None = None) -> StateDict:
+        result = result if result is not None else {}
+        for i, op in enumerate(self.op_list):
+            op.state_dict(prefix=_concat_prefix(prefix, str(i)), result=result)
+        return result
+
+    def load_state_dict(
+        self, state_dict: StateDict, *, prefix: str = "", _internal: bool = False
+    ) -> None:
+        for i, op in enumerate(self.op_list):
+            op.load_state_dict(state_dict, prefix=_concat_prefix(prefix, str(i)), _internal=True)
+        _check_leftover(state_dict, _internal)

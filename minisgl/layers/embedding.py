@@ -1,0 +1,61 @@
+import torch
+import torch.nn.functional as F
+
+from minisgl.core import get_global_ctx
+from minisgl.distributed import DistributedCommunicator, get_tp_info
+from minisgl.kernel import indexing
+from minisgl.utils import div_ceil
+
+from .base import BaseOP
+
+
+class VocabParallelEmbedding(BaseOP):
+    """Each rank keeps a slice of the vocabulary, fills zeros for tokens it does not hold, and the
+    slices are summed across ranks (every token is non-zero on exactly one rank)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        tp = get_tp_info()
+        self._tp_size = tp.size
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_tp = div_ceil(num_embeddings, tp.size)
+        start = self.num_embeddings_tp * tp.rank
+        finish = min(start + self.num_embeddings_tp, num_embeddings)
+        self.vocab_range = (start, finish - start)
+        self.weight = torch.empty(self.num_embeddings_tp, embedding_dim)
+        self._comm = DistributedCommunicator()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._tp_size == 1:
+            return indexing(self.weight, x)
+        return self._comm.all_reduce(indexing(self.weight, x, self.vocab_range))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output layer. Logits are computed only for the rows sampling needs: each request's last
+    position in a prefill (the LM head is one of the largest matmuls), every row in a decode."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tied_embedding: VocabParallelEmbedding | None = None,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        # underscore: the tied weight belongs to the embedding and is loaded once, there
+        self._tied_embedding = tied_embedding
+        if tied_embedding is not None:
+            del self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = get_global_ctx().batch
+        assert batch is not None
+        if not batch.is_decode and not batch.all_logits:
+            x = x[batch.attn_metadata.last_indices]
+        weight = self._tied_embedding.weight if self._tied_embedding is not None else self.weight
+        logits = F.linear(x, weight)
+        if self._tp_size == 1:
+            return logits
+        # all_gather stacks ranks along dim 0: [tp * rows, V/tp] -> [rows, tp * V/tp]
+        gathered = self._comm.all_gather(logits).view(self._tp_size, *logits.shape)
+        gathered = gathered.permute(1, 0, 2).reshape(logits.shape[0], -1)
+        return gathered[:, : self.num_embeddings]

@@ -1,0 +1,85 @@
+"""Linear layers, one class per way of sharding under tensor parallelism (TP size 1: plain linears).
+
+Each computes this rank's shapes from the TP info; the weight loader slices checkpoints to match.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.distributed import DistributedCommunicator, get_tp_info
+from minisgl.utils import div_even
+
+from .base import BaseOP
+
+
+class _LinearTPImpl(BaseOP):
+    def __init__(
+        self, full_isize: int, full_osize: int, local_isize: int, local_osize: int, has_bias: bool
+    ) -> None:
+        self.full_input_size = full_isize
+        self.full_output_size = full_osize
+        self.local_input_size = local_isize
+        self.local_output_size = local_osize
+        self.weight = torch.empty(local_osize, local_isize)
+        self.bias = torch.empty(local_osize) if has_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class LinearReplicated(_LinearTPImpl):
+    """A full copy on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, has_bias: bool = False) -> None:
+        super().__init__(input_size, output_size, input_size, output_size, has_bias)
+
+
+class LinearColParallelMerged(_LinearTPImpl):
+    """Projections of the same input stacked along the output (gate_up_proj), each split along its
+    output dimension across ranks."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], has_bias: bool = False) -> None:
+        tp = get_tp_info().size
+        local_osize = sum(div_even(size, tp) for size in output_sizes)
+        super().__init__(input_size, sum(output_sizes), input_size, local_osize, has_bias)
+
+
+def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads per rank: split when there are enough, else each rank keeps one (replicated)."""
+    if num_kv_heads >= tp_size:
+        return div_even(num_kv_heads, tp_size)
+    div_even(tp_size, num_kv_heads)
+    return 1
+
+
+class LinearQKVMerged(_LinearTPImpl):
+    """q, k and v stacked along the output and split by head."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_qo_heads: int, num_kv_heads: int, has_bias: bool
+    ) -> None:
+        tp = get_tp_info().size
+        local_heads = div_even(num_qo_heads, tp) + 2 * local_kv_heads(num_kv_heads, tp)
+        full_osize = (num_qo_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, full_osize, hidden_size, local_heads * head_dim, has_bias)
+
+
+class LinearRowParallel(_LinearTPImpl):
+    """Split along the input dimension; the partial products are summed across ranks (no bias)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        tp = get_tp_info().size
+        super().__init__(input_size, output_size, div_even(input_size, tp), output_size, False)
+        self._tp_size = tp
+        self._comm = DistributedCommunicator()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return self._comm.all_reduce(y) if self._tp_size > 1 else y
+
+
+class LinearOProj(LinearRowParallel):
+    """The attention output projection: row-parallel over the heads this rank holds."""
+
+    def __init__(self, num_qo_heads: int, head_dim: int, hidden_size: int) -> None:
+        super().__init__(num_qo_heads * head_dim, hidden_size)

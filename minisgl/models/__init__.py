@@ -1,0 +1,42 @@
+from pathlib import Path
+
+import torch
+
+from minisgl.distributed import get_tp_info
+from minisgl.layers import set_rope_device
+from minisgl.utils import torch_dtype
+
+from .config import ARCHITECTURES, ModelConfig
+from .decoder import CausalLM
+from .weights import load_weights
+
+__all__ = ["ARCHITECTURES", "CausalLM", "ModelConfig", "load_model"]
+
+
+def load_model(
+    model_path: Path,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    dummy_weights: bool = False,
+) -> CausalLM:
+    """Build the model on the meta device (instant, no memory), then stream its weights in."""
+    set_rope_device(device)
+    with torch.device("meta"), torch_dtype(dtype):
+        model = CausalLM(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if dummy_weights:
+        state = {name: _random_tensor(shape, device, dtype) for name, shape in expected.items()}
+    else:
+        state = dict(load_weights(model_path, config, expected, get_tp_info(), device, dtype))
+    model.load_state_dict(state)
+    return model
+
+
+def _random_tensor(
+    shape: tuple[int, ...], device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """Random weights at Hugging Face's init scale; norm weights near 1 so activations stay sane."""
+    if len(shape) == 1:
+        return 1 + 0.02 * torch.randn(shape, device=device, dtype=dtype)
+    return 0.02 * torch.randn(shape, device=device, dtype=dtype)

@@ -1,0 +1,93 @@
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from minisgl.layers.rotary import RopeScaling
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    """How one Hugging Face architecture differs from the plain Llama decoder."""
+
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    qkv_bias: bool | None = None  # None: read config.attention_bias
+
+
+ARCHITECTURES: dict[str, ArchTraits] = {
+    "LlamaForCausalLM": ArchTraits(),
+    "MistralForCausalLM": ArchTraits(),
+    "Qwen2ForCausalLM": ArchTraits(qkv_bias=True),
+    "Qwen3ForCausalLM": ArchTraits(qk_norm=True),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, config: PretrainedConfig) -> "ModelConfig":
+        archs = list(getattr(config, "architectures", None) or [])
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs}; supported: {', '.join(sorted(ARCHITECTURES))}"
+            )
+        traits = ARCHITECTURES[arch]
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu")
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        rope_theta, rope_scaling = _rope_settings(config)
+        qkv_bias = traits.qkv_bias
+        if qkv_bias is None:
+            qkv_bias = bool(getattr(config, "attention_bias", False))
+        max_positions = config.max_position_embeddings
+        # sliding-window attention is not implemented: cap the context at the window instead
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True):
+            max_positions = min(max_positions, window)
+        return cls(
+            architecture=arch,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_qo_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=traits.qk_norm,
+        )
+
+
+def _rope_settings(config: PretrainedConfig) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from either transformers 5's `rope_parameters` or 4's `rope_scaling`."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = dict(getattr(config, "rope_scaling", None) or params)
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling.pop("rope_theta", None)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    return theta, tuple(sorted(scaling.items()))

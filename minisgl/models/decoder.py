@@ -1,0 +1,104 @@
+"""The one decoder: Llama, Mistral, Qwen2 and Qwen3 differ only in what ModelConfig says."""
+
+import torch
+
+from minisgl.core import get_global_ctx
+from minisgl.distributed import get_tp_info
+from minisgl.layers import (
+    AttentionLayer,
+    BaseOP,
+    LinearColParallelMerged,
+    LinearOProj,
+    LinearQKVMerged,
+    OPList,
+    ParallelLMHead,
+    RMSNorm,
+    RMSNormFused,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    get_rope,
+    local_kv_heads,
+)
+from minisgl.layers.linear import LinearRowParallel
+from minisgl.utils import div_even
+
+from .config import ModelConfig
+
+
+class RopeAttn(BaseOP):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        tp = get_tp_info().size
+        num_qo_heads = div_even(config.num_qo_heads, tp)
+        num_kv_heads = local_kv_heads(config.num_kv_heads, tp)
+        head_dim = config.head_dim
+        self.qkv_proj = LinearQKVMerged(
+            config.hidden_size, head_dim, config.num_qo_heads, config.num_kv_heads, config.qkv_bias
+        )
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
+        rotary = get_rope(
+            head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.attn = AttentionLayer(
+            layer_id, num_qo_heads, num_kv_heads, head_dim, rotary, self.q_norm, self.k_norm
+        )
+        self.o_proj = LinearOProj(config.num_qo_heads, head_dim, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj.forward(self.attn.forward(self.qkv_proj.forward(x)))
+
+
+class GatedMLP(BaseOP):
+    def __init__(self, config: ModelConfig) -> None:
+        size = config.intermediate_size
+        self.gate_up_proj = LinearColParallelMerged(config.hidden_size, [size, size])
+        self.act_fn = SiluAndMul()
+        self.down_proj = LinearRowParallel(size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
+
+
+class DecoderLayer(BaseOP):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        self.self_attn = RopeAttn(config, layer_id)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNormFused(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNormFused(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.forward(x, residual)
+        x = self.self_attn.forward(x)
+        x, residual = self.post_attention_layernorm.forward(x, residual)
+        x = self.mlp.forward(x)
+        return x, residual
+
+
+class DecoderModel(BaseOP):
+    def __init__(self, config: ModelConfig) -> None:
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = OPList([DecoderLayer(config, i) for i in range(config.num_layers)])
+        self.norm = RMSNormFused(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens.forward(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer.forward(x, residual)
+        return self.norm.forward(x, residual)[0]
+
+
+class CausalLM(BaseOP):
+    """Decoder + LM head. `forward` computes the batch in the global context and returns logits."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.model = DecoderModel(config)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied)
+
+    def forward(self) -> torch.Tensor:
+        batch = get_global_ctx().batch
+        assert batch is not None
+        return self.lm_head.forward(self.model.forward(batch.input_ids))

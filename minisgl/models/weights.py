@@ -1,0 +1,148 @@
+"""Streaming safetensors loader: reads one tensor at a time, slices it for this TP rank, merges
+q/k/v -> qkv_proj and gate/up -> gate_up_proj on the way, and checks every name and shape."""
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from minisgl.distributed import TPInfo
+from minisgl.layers import local_kv_heads
+from minisgl.utils import div_ceil
+
+from .config import ModelConfig
+
+# checkpoint projection -> (merged name, position inside it)
+_MERGED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _checkpoint_shape(module: str, kind: str, c: ModelConfig) -> tuple[int, ...] | None:
+    """The full (unsharded) shape Hugging Face stores for `<module>.<kind>`; None if unknown."""
+    hidden, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
+    weights = {
+        "q_proj": (c.num_qo_heads * d, hidden),
+        "k_proj": (c.num_kv_heads * d, hidden),
+        "v_proj": (c.num_kv_heads * d, hidden),
+        "o_proj": (hidden, c.num_qo_heads * d),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+        "embed_tokens": (c.vocab_size, hidden),
+        "lm_head": (c.vocab_size, hidden),
+        "q_norm": (d,),
+        "k_norm": (d,),
+        "input_layernorm": (hidden,),
+        "post_attention_layernorm": (hidden,),
+        "norm": (hidden,),
+    }
+    shape = weights.get(module)
+    if shape is None or kind not in ("weight", "bias"):
+        return None
+    return shape if kind == "weight" else shape[:1]
+
+
+def _shard(
+    module: str, tensor_slice, full_shape: tuple[int, ...], c: ModelConfig, tp: TPInfo
+) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor, read without loading the rest."""
+    if tp.size == 1:
+        return tensor_slice[:]
+    if module in ("q_proj", "gate_proj", "up_proj"):
+        rows = full_shape[0] // tp.size
+        return tensor_slice[tp.rank * rows : (tp.rank + 1) * rows]
+    if module in ("k_proj", "v_proj"):
+        local = local_kv_heads(c.num_kv_heads, tp.size)
+        head = tp.rank * local if c.num_kv_heads >= tp.size else tp.rank * c.num_kv_heads // tp.size
+        return tensor_slice[head * c.head_dim : (head + local) * c.head_dim]
+    if module in ("o_proj", "down_proj"):
+        cols = full_shape[1] // tp.size
+        return tensor_slice[:, tp.rank * cols : (tp.rank + 1) * cols]
+    if module in ("embed_tokens", "lm_head"):
+        rows = div_ceil(full_shape[0], tp.size)
+        part = tensor_slice[tp.rank * rows : min((tp.rank + 1) * rows, full_shape[0])]
+        return torch.nn.functional.pad(part, (0, 0, 0, rows - part.shape[0]))
+    return tensor_slice[:]
+
+
+def checkpoint_files(model_path: Path) -> list[Path]:
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_path / name for name in dict.fromkeys(weight_map.values())]
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors checkpoint in {model_path}")
+    return files
+
+
+def load_weights(
+    model_path: Path,
+    config: ModelConfig,
+    expected: dict[str, tuple[int, ...]],
+    tp: TPInfo,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name in the model, tensor on `device`) for this rank. `expected` maps every name the
+    model wants to its local shape; a checkpoint that disagrees raises a ValueError naming the tensor."""
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    seen: set[str] = set()
+    for file in checkpoint_files(model_path):
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue  # the LM head shares embed_tokens' weight
+                module, kind = name.split(".")[-2:]
+                full_shape = _checkpoint_shape(module, kind, config)
+                merged, part = _MERGED.get(module, (module, 0))
+                target = name.replace(f".{module}.", f".{merged}.") if module in _MERGED else name
+                if full_shape is None or target not in expected:
+                    raise ValueError(f"unexpected tensor {name!r} in {file.name}")
+                tensor_slice = f.get_slice(name)
+                shape = tuple(tensor_slice.get_shape())
+                if shape != full_shape:
+                    raise ValueError(
+                        f"tensor {name!r} in {file.name} has shape {shape}, expected {full_shape}"
+                    )
+                tensor = _shard(module, tensor_slice, full_shape, config, tp).to(device, dtype)
+                if module not in _MERGED:
+                    seen.add(target)
+                    yield target, tensor
+                    continue
+                parts = pending.setdefault(target, {})
+                parts[part] = tensor
+                if len(parts) == _PARTS[merged]:
+                    del pending[target]
+                    seen.add(target)
+                    yield target, torch.cat([parts[i] for i in range(len(parts))])
+    missing = [name for name in expected if name not in seen]
+    if missing:
+        raise ValueError(
+            f"checkpoint {model_path} is missing tensor(s) {_describe_missing(missing, pending)}"
+        )
+
+
+def _describe_missing(missing: list[str], pending: dict[str, dict[int, torch.Tensor]]) -> str:
+    names = []
+    for name in missing:
+        merged = name.split(".")[-2]
+        if merged in _PARTS:
+            got = pending.get(name, {})
+            for module, (target, part) in _MERGED.items():
+                if target == merged and part not in got:
+                    names.append(name.replace(f".{merged}.", f".{module}."))
+        else:
+            names.append(name)
+    return ", ".join(repr(n) for n in names)

@@ -1,0 +1,328 @@
+"""The scheduler: owns every request, decides each step's batch, and applies the results.
+
+One step (`step()`):
+    schedule  -> pick decodes, prefill chunks and new requests under the token budget,
+                 reserve their KV pages (preempting the newest request when pages run out),
+                 advance their lengths, and build the batch's device inputs
+    launch    -> engine.forward(batch); scatter the sampled ids into the token table on the device
+    process   -> read the sampled ids on the host, check stop rules, finish requests
+
+With overlap on, step k+1 is scheduled and launched before step k's results are processed, so
+the CPU work of one step hides behind the GPU work of the other.
+"""
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from minisgl.core import Batch, FinishReason, Req, SamplingParams
+from minisgl.engine import Engine, ForwardOutput
+from minisgl.kvcache import KVCacheManager
+from minisgl.utils import init_logger, to_device
+
+from .config import SchedulerConfig
+from .stop import StopChecker
+from .token_table import TokenTable
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ReqOutput:
+    """What one step produced for one request: a new token, and whether the request finished."""
+
+    rid: int
+    token_id: int | None
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    logprob: tuple[float, list[tuple[int, float]]] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens admitted for the first time
+    cached_prompt_tokens: int = 0  # of those, found in the prefix cache
+    steps: int = 0
+
+
+@dataclass
+class _InFlight:
+    batch: Batch
+    output: ForwardOutput
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        engine: Engine,
+        eos_ids: tuple[int, ...],
+        tokenizer: PreTrainedTokenizerBase | None,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.device = engine.device
+        self.max_seq_len = engine.max_seq_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.kv = KVCacheManager(
+            engine.num_pages, engine.page_size, engine.page_table, config.cache
+        )
+        self.tokens = TokenTable(config.max_running_requests, self.max_seq_len, self.device)
+        self.stop_checker = StopChecker(eos_ids, self.max_seq_len, tokenizer)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted requests, oldest first
+        self.stats = SchedulerStats()
+        self._reqs: dict[int, Req] = {}
+        self._in_flight: _InFlight | None = None
+        self._rng = random.Random(config.seed)
+        self.overlap = config.overlap
+
+    # ------------------------------------------------------------------ requests in and out
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError unless the request can be served."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling params must be a SamplingParams")
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_seq_len}, "
+                f"so at most {self.max_seq_len - 1} leave room for one generated token"
+            )
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if params.stop and self.stop_checker.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.validate(prompt_ids, params)
+        if rid in self._reqs:
+            raise ValueError(f"request id {rid} is already in use")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
+        self._reqs[rid] = req
+        self.waiting.append(req)
+
+    def abort_request(self, rid: int) -> ReqOutput | None:
+        """Stop a request now; None if it is unknown or already finished."""
+        req = self._reqs.get(rid)
+        if req is None:
+            return None
+        self._finish(req, "abort", None)
+        return self._output(req, None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._in_flight)
+
+    # ------------------------------------------------------------------ the loop
+    @torch.inference_mode()
+    def step(self) -> list[ReqOutput]:
+        batch = self._schedule()
+        launched = _InFlight(batch, self._launch(batch)) if batch is not None else None
+        if not self.overlap:
+            return self._process(launched) if launched else []
+        finished_step, self._in_flight = self._in_flight, launched
+        return self._process(finished_step) if finished_step else []
+
+    def _launch(self, batch: Batch) -> ForwardOutput:
+        self.stats.steps += 1
+        out = self.engine.forward(batch, self.engine.sampler.prepare(batch))
+        rows = batch.sample_rows
+        if rows:
+            index = to_device(
+                torch.tensor([rows, [batch.seq_lens[i] for i in rows]], dtype=torch.int64),
+                self.device,
+            )
+            self.tokens.scatter(batch.slots[index[0]], index[1], out.device.tokens[index[0]])
+        return out
+
+    def _process(self, step: _InFlight) -> list[ReqOutput]:
+        step.output.wait()
+        host = step.output.host
+        tokens = host.tokens.tolist()
+        outputs = []
+        for i in step.batch.sample_rows:
+            req = step.batch.reqs[i]
+            if req.finished:  # aborted, or finished by the previous step while this one ran
+                continue
+            req.output_ids.append(tokens[i])
+            logprob = None
+            if req.params.logprobs is not None:
+                assert host.logprobs is not None and host.top_ids is not None
+                n = req.params.logprobs
+                top = list(
+                    zip(
+                        host.top_ids[i, :n].tolist(), host.top_logprobs[i, :n].tolist(), strict=True
+                    )
+                )
+                logprob = (float(host.logprobs[i]), top)
+                req.output_logprobs.append(logprob)
+            finish = self.stop_checker.check(req)
+            if finish is not None:
+                self._finish(req, *finish)
+            outputs.append(self._output(req, tokens[i], logprob))
+        return outputs
+
+    def _output(
+        self,
+        req: Req,
+        token: int | None,
+        logprob: tuple[float, list[tuple[int, float]]] | None = None,
+    ) -> ReqOutput:
+        return ReqOutput(
+            rid=req.rid,
+            token_id=token,
+            finish_reason=req.finish_reason,
+            matched_stop=req.matched_stop,
+            logprob=logprob,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+        )
+
+    # ------------------------------------------------------------------ scheduling
+    def _wants_token(self, req: Req) -> bool:
+        return req.num_sampled < req.params.max_tokens and req.device_len < self.max_seq_len
+
+    def _schedule(self) -> Batch | None:
+        picked: list[tuple[Req, int]] = []
+        preempted = False
+        # 1. decodes first, so they never starve behind prefills
+        for req in list(self.running):
+            if req not in self.running or req.is_prefilling or not self._wants_token(req):
+                continue
+            while not self.kv.reserve(req.slot, req.device_len):
+                self._preempt(self.running[-1])
+                preempted = True
+                if req not in self.running:
+                    break
+            else:
+                picked.append((req, 1))
+        # 2. prompts in progress, then new requests, within the prefill budget
+        budget = self.config.chunk_size
+        for req in [r for r in self.running if r.is_prefilling]:
+            if budget == 0:
+                break
+            extend = self._reserve_chunk(req, budget)
+            if extend == 0:
+                break
+            picked.append((req, extend))
+            budget -= extend
+        while self.waiting and budget > 0 and not preempted:
+            req = self.waiting[0]
+            extend = self._admit(req, budget)
+            if extend == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            picked.append((req, extend))
+            budget -= extend
+        if not picked and self.running and not self._in_flight:
+            # every running request is stuck mid-prompt without pages: make room, try next step
+            self._preempt(self.running[-1])
+        return self._build_batch(picked) if picked else None
+
+    def _reserve_chunk(self, req: Req, budget: int) -> int:
+        """Reserve pages for the next chunk of req's prompt; returns its length (0: no pages)."""
+        extend = min(
+            req.device_len - req.cached_len, budget, self.kv.capacity(req.slot) - req.cached_len
+        )
+        if extend <= 0:
+            return 0
+        assert self.kv.reserve(req.slot, req.cached_len + extend)
+        return extend
+
+    def _admit(self, req: Req, budget: int) -> int:
+        """Give a waiting request a slot and its cached prefix, and reserve its first chunk."""
+        new_slot = req.slot < 0
+        if new_slot:
+            if self.tokens.num_free_slots == 0:
+                return 0
+            req.slot = self.tokens.alloc_slot()
+        # the last token is always computed: its logits give the next token
+        req.cached_len = self.kv.admit(req.slot, req.known_ids[: req.device_len - 1])
+        extend = self._reserve_chunk(req, budget)
+        if extend == 0:
+            self.kv.release(req.slot, req.known_ids[: req.cached_len])
+            req.cached_len = 0
+            if new_slot:
+                self.tokens.free_slot(req.slot)
+                req.slot = -1
+            return 0
+        if new_slot:
+            self.tokens.write(req.slot, 0, req.prompt_ids)
+        if req.num_preemptions == 0:
+            req.cached_tokens = req.cached_len
+            self.stats.prompt_tokens += len(req.prompt_ids)
+            self.stats.cached_prompt_tokens += req.cached_len
+        return extend
+
+    def _preempt(self, req: Req) -> None:
+        """Free a running request's KV (its computed prefix stays in the prefix cache) and put it
+        back at the head of the queue. It keeps its slot, so its token row stays intact."""
+        logger.info("preempting request %d at %d tokens", req.rid, req.device_len)
+        self.kv.release(req.slot, req.known_ids[: req.cached_len])
+        req.cached_len = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Req, reason: FinishReason, matched: str | int | None) -> None:
+        req.finish_reason, req.matched_stop = reason, matched
+        del self._reqs[req.rid]
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.release(req.slot, req.known_ids[: req.cached_len])
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.slot >= 0:
+            self.tokens.free_slot(req.slot)
+
+    def _build_batch(self, picked: list[tuple[Req, int]]) -> Batch:
+        reqs = [req for req, _ in picked]
+        extend_lens = [extend for _, extend in picked]
+        prefix_lens = [req.cached_len for req in reqs]
+        sample_rows = []
+        for i, (req, extend) in enumerate(picked):
+            req.cached_len += extend
+            if req.cached_len == req.device_len:  # the whole known sequence is computed: sample
+                sample_rows.append(i)
+                if extend > 1:  # a prompt just finished: share its pages with later requests
+                    self.kv.cache_prefix(req.slot, req.known_ids[: req.cached_len])
+                req.device_len += 1
+        self.kv.flush()
+        self.tokens.flush()
+        host = torch.tensor([[r.slot for r in reqs], prefix_lens, extend_lens], dtype=torch.int64)
+        slots, prefix, extend = to_device(host, self.device)
+        num_tokens = sum(extend_lens)
+        token_slots = torch.repeat_interleave(slots, extend, output_size=num_tokens)
+        starts = torch.cumsum(extend, 0) - extend
+        positions = torch.arange(num_tokens, device=self.device) - torch.repeat_interleave(
+            starts - prefix, extend, output_size=num_tokens
+        )
+        return Batch(
+            reqs=reqs,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            sample_rows=sample_rows,
+            input_ids=self.tokens.gather(token_slots, positions),
+            positions=positions.int(),
+            out_loc=self.engine.page_table[token_slots, positions],
+            slots=slots.int(),
+            is_decode=all(e == 1 for e in extend_lens),
+        )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

@@ -1,0 +1,47 @@
+import torch
+
+from minisgl.utils import to_device
+
+
+class TokenTable:
+    """Every running request's token ids on the device, one row per slot: [slots, max_seq_len].
+
+    A step's input ids are gathered from here by (slot, position), and sampled ids are scattered
+    back on the device, so the next step can be launched before the host has seen them.
+    """
+
+    def __init__(self, num_slots: int, max_seq_len: int, device: torch.device) -> None:
+        self.device = device
+        self.table = torch.zeros((num_slots, max_seq_len), dtype=torch.int32, device=device)
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._pending: list[tuple[int, int, list[int]]] = []  # (slot, start, ids) to write
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def alloc_slot(self) -> int:
+        return self._free_slots.pop()
+
+    def free_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+
+    def write(self, slot: int, start: int, ids: list[int]) -> None:
+        """Host-known ids (a prompt); written at the next flush()."""
+        self._pending.append((slot, start, ids))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        rows = [slot for slot, _, ids in self._pending for _ in ids]
+        cols = [start + i for _, start, ids in self._pending for i in range(len(ids))]
+        values = [t for _, _, ids in self._pending for t in ids]
+        self._pending.clear()
+        host = to_device(torch.tensor([rows, cols, values], dtype=torch.int64), self.device)
+        self.table[host[0], host[1]] = host[2].int()
+
+    def gather(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.table[slots, positions]
+
+    def scatter(self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> None:
+        self.table[slots, positions] = ids

@@ -1,0 +1,3 @@
+from .detokenizer import IncrementalDetokenizer
+
+__all__ = ["IncrementalDetokenizer"]
