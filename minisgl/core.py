@@ -162,13 +162,14 @@ class Context:
     batch: Batch | None = None
 
     @contextmanager
-    def forward_batch(self, batch: Batch) -> Iterator[None]:
+    def forward_batch(self, batch: Batch, attn_backend: AttentionBackend) -> Iterator[None]:
+        """Set for one forward only, so several engines can live in one process."""
         assert self.batch is None, "nested forward"
-        self.batch = batch
+        self.batch, self.attn_backend = batch, attn_backend
         try:
             yield
         finally:
-            self.batch = None
+            self.batch, self.attn_backend = None, None
 
 
 _GLOBAL_CTX = Context()

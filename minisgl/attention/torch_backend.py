@@ -27,13 +27,21 @@ class TorchBackend(AttentionBackend):
             if start == end:
                 continue
             locs = self.page_table[slot, :seq_len].long()
-            keys = k_cache[locs].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-            values = v_cache[locs].repeat_interleave(group, dim=1).transpose(0, 1)
-            query = q[start:end].transpose(0, 1)  # [H, T, D]
-            # the t-th new token sits at absolute position seq_len - T + t and sees keys up to it
-            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            out[start:end] = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask
-            ).transpose(0, 1)
+            # [1, H, S, D] like Hugging Face's SDPA call, so fp32 results agree bit for bit
+            keys = k_cache[locs].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+            values = v_cache[locs].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+            query = q[start:end].transpose(0, 1)[None]
+            out[start:end] = _causal_sdpa(query, keys, values)[0].transpose(0, 1)
         return out
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last T of S positions: the t-th query sits at S - T + t."""
+    num_new, seq_len = q.shape[2], k.shape[2]
+    if num_new == seq_len:  # no cached prefix: the plain causal mask
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if num_new == 1:  # a decode sees every key
+        return F.scaled_dot_product_attention(q, k, v)
+    q_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -86,7 +86,6 @@ class Engine:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attn_backend = create_attention_backend(backend, self.pool, self.page_table)
-        get_global_ctx().attn_backend = self.attn_backend
         self.sampler = Sampler(mc.vocab_size, self.device)
 
         max_bs = config.cuda_graph_max_bs
@@ -147,7 +146,7 @@ class Engine:
         self.attn_backend.prepare(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
-        with get_global_ctx().forward_batch(batch):
+        with get_global_ctx().forward_batch(batch, self.attn_backend):
             return self.model.forward()
 
     def forward(self, batch: Batch, args: SamplingArgs) -> ForwardOutput:

@@ -104,7 +104,7 @@ class GraphRunner:
                 self.sizes
             ):  # largest first, so smaller graphs reuse its memory pool
                 batch = self._batches[bs]
-                with ctx.forward_batch(batch):
+                with ctx.forward_batch(batch, self.attn_backend):
                     self.model.forward()  # warm-up: lazy initialisation stays out of the graph
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -132,6 +132,6 @@ class GraphRunner:
             graph, logits = self._graphs[padded]
             graph.replay()
         else:  # the CPU twin: same static buffers, no capture
-            with get_global_ctx().forward_batch(self._batches[padded]):
+            with get_global_ctx().forward_batch(self._batches[padded], self.attn_backend):
                 logits = self.model.forward()
         return logits[:bs]

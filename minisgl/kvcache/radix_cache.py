@@ -122,6 +122,9 @@ class RadixCache(PrefixCache):
         freed: list[int] = []
         while leaves and len(freed) < num_pages:
             _, _, node = heapq.heappop(leaves)
+            surplus = len(node.pages) - (num_pages - len(freed))
+            if surplus > 0:  # evict only the tail of a long leaf; its head stays cached
+                self._split(node, surplus)
             parent = node.parent
             assert parent is not None
             del parent.children[node.key[: self.page_size]]

@@ -1,0 +1,186 @@
+"""Continuous batching, paging, chunking, prefix reuse, preemption, overlap and the CUDA-graph path
+all compute the same function as running one request at a time (and as Hugging Face)."""
+
+import random
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+
+from .conftest import DEVICE, assert_same_or_near_tie, hf_greedy, hf_model
+
+NUM_PROMPTS = 40
+
+
+@pytest.fixture(scope="module")
+def model_path(checkpoint):
+    return checkpoint("llama", max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    """40 prompts of lengths 1-300 with different max_tokens; some end right at a page edge."""
+    rng = random.Random(0)
+    lengths = [1, 2, 15, 16, 17, 64, 300] + [rng.randint(1, 300) for _ in range(NUM_PROMPTS - 7)]
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in lengths]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(1, 24), ignore_eos=True)
+        for _ in range(NUM_PROMPTS)
+    ]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def reference(model_path, workload) -> list[list[int]]:
+    """Each request alone, through the plain engine."""
+    prompts, params = workload
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=4096, overlap=False)
+    return [
+        llm.generate([p], sp, use_tqdm=False)[0]["token_ids"]
+        for p, sp in zip(prompts, params, strict=True)
+    ]
+
+
+def test_one_at_a_time_equals_hf(model_path, workload, reference) -> None:
+    prompts, params = workload
+    hf = hf_model(model_path)
+    for prompt, sp, got in zip(prompts, params, reference, strict=True):
+        assert_same_or_near_tie(hf, prompt, got, hf_greedy(hf, prompt, sp.max_tokens))
+
+
+def assert_matches_reference(model_path, workload, reference, outputs) -> None:
+    prompts, _ = workload
+    hf = None
+    for prompt, want, out in zip(prompts, reference, outputs, strict=True):
+        assert out["finish_reason"] == "length" and len(out["token_ids"]) == len(want)
+        if out["token_ids"] != want:
+            hf = hf or hf_model(model_path)
+            assert_same_or_near_tie(hf, prompt, out["token_ids"], want)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"page_size": 4},
+        {"page_size": 16},
+        {"chunk_size": 8},
+        {"chunk_size": 8, "page_size": 16},
+        {"cache": "naive"},
+        {"overlap": False},
+        {"cuda_graph_max_bs": 16},
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default",
+)
+def test_batched_generate_equals_one_at_a_time(model_path, workload, reference, options) -> None:
+    prompts, params = workload
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=16384, **options)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_matches_reference(model_path, workload, reference, outputs)
+    llm.scheduler.check_integrity()
+    assert llm.scheduler.kv.used_pages == len(llm.scheduler.kv.prefix_cache.cached_pages())
+
+
+def test_chunked_prefill_splits_prompts_into_steps(model_path, workload, reference) -> None:
+    prompts, params = workload
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=16384, chunk_size=8)
+    llm.generate(prompts, params, use_tqdm=False)
+    # every step prefills at most 8 tokens, so the 300-token prompt alone needs 38 steps
+    assert llm.scheduler.stats.steps >= sum(len(p) for p in prompts) // 8
+
+
+def test_shared_prefix_is_reused_and_outputs_unchanged(model_path) -> None:
+    rng = random.Random(1)
+    prefix = [rng.randrange(512) for _ in range(200)]
+    prompts = [prefix + [rng.randrange(512) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = [
+        LLM(
+            str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=2048, cache="naive"
+        ).generate([p], sp, use_tqdm=False)[0]["token_ids"]
+        for p in prompts[:2]
+    ]
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=4096, page_size=4)
+    first = llm.generate(prompts[:1], sp, use_tqdm=False)[0]
+    rest = llm.generate(prompts[1:], sp, use_tqdm=False)
+    assert first["cached_tokens"] == 0
+    assert all(out["cached_tokens"] >= 196 for out in rest), [o["cached_tokens"] for o in rest]
+    assert [first["token_ids"], rest[0]["token_ids"]] == alone
+    llm.scheduler.check_integrity()
+
+
+def test_requests_in_one_batch_share_a_prefix_computed_earlier_in_the_same_call(model_path) -> None:
+    rng = random.Random(2)
+    prefix = [rng.randrange(512) for _ in range(64)]
+    prompts = [prefix + [i] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    # chunk_size 65: the first prompt fills the first step, the others arrive after it is cached
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=2048, chunk_size=65)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert outs[0]["cached_tokens"] == 0 and all(o["cached_tokens"] == 64 for o in outs[1:])
+
+
+def test_preemption_when_the_pool_is_too_small_keeps_outputs(
+    model_path, workload, reference
+) -> None:
+    prompts, params = workload
+    # about 1/4 of what all 40 requests need at once
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1600, page_size=4)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.stats.num_preemptions > 0
+    assert_matches_reference(model_path, workload, reference, outputs)
+    kv = llm.scheduler.kv
+    llm.scheduler.check_integrity()
+    # nothing leaked: every page is free or held by the prefix cache, none by a request
+    assert kv.allocator.num_free + len(kv.prefix_cache.cached_pages()) == kv.num_pages
+    assert not llm.scheduler.running and not llm.scheduler.waiting
+
+
+def test_preemption_with_naive_cache_recomputes_from_scratch(
+    model_path, workload, reference
+) -> None:
+    prompts, params = workload
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1200, cache="naive")
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.stats.num_preemptions > 0
+    assert_matches_reference(model_path, workload, reference, outputs)
+    assert llm.scheduler.kv.allocator.num_free == llm.scheduler.kv.num_pages
+
+
+def test_max_running_requests_bounds_the_batch(model_path, workload, reference) -> None:
+    prompts, params = workload
+    llm = LLM(
+        str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=16384, max_running_requests=3
+    )
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_matches_reference(model_path, workload, reference, outputs)
+
+
+def test_generation_stops_at_the_context_length(model_path) -> None:
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=64)
+    assert llm.engine.max_seq_len == 64
+    out = llm.generate(
+        [[5] * 60], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )
+    assert out[0]["finish_reason"] == "length" and len(out[0]["token_ids"]) == 4
+
+
+def test_abort_frees_the_request(model_path) -> None:
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=2048)
+    scheduler = llm.scheduler
+    scheduler.add_request(
+        100, list(range(50)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    )
+    scheduler.add_request(
+        101, list(range(40)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    )
+    for _ in range(3):
+        scheduler.step()
+    aborted = scheduler.abort_request(100)
+    assert aborted is not None and aborted.finish_reason == "abort"
+    assert scheduler.abort_request(100) is None
+    while scheduler.has_work:
+        for out in scheduler.step():
+            assert out.rid == 101
+    scheduler.check_integrity()
+    assert scheduler.kv.used_pages == len(scheduler.kv.prefix_cache.cached_pages())

@@ -1,0 +1,115 @@
+"""The radix prefix cache and the KV cache manager's accounting."""
+
+import pytest
+import torch
+
+from minisgl.kvcache import KVCacheManager, RadixCache
+
+
+def test_match_returns_only_whole_cached_pages() -> None:
+    cache = RadixCache(page_size=2)
+    _node, dup = cache.insert([1, 2, 3, 4], [10, 11])
+    assert dup == []
+    assert cache.match([1, 2, 3, 4, 5])[1] == [10, 11]
+    assert cache.match([1, 2, 3])[1] == [10]  # the half page [3] is not a whole page
+    assert cache.match([1, 9])[1] == []
+
+
+def test_insert_splits_and_reports_duplicates() -> None:
+    cache = RadixCache(page_size=1)
+    cache.insert([1, 2, 3], [10, 11, 12])
+    _, dup = cache.insert([1, 2, 4], [20, 21, 22])  # [1, 2] is already cached as 10, 11
+    assert dup == [20, 21]
+    assert cache.match([1, 2, 4])[1] == [10, 11, 22]
+    assert cache.match([1, 2, 3])[1] == [10, 11, 12]
+    assert sorted(cache.cached_pages()) == [10, 11, 12, 22]
+    cache.check_integrity([])
+
+
+def test_locked_prefixes_survive_eviction_and_lru_goes_first() -> None:
+    cache = RadixCache(page_size=1)
+    old, _ = cache.insert([1, 2], [10, 11])
+    new, _ = cache.insert([5, 6], [50, 51])
+    cache.match([5, 6])  # touch: [5, 6] is now the most recently used
+    assert sorted(cache.evict(2)) == [10, 11]
+    cache.lock(new)
+    assert cache.num_evictable_pages == 0
+    assert cache.evict(5) == []
+    cache.check_integrity([new])
+    cache.unlock(new)
+    assert sorted(cache.evict(5)) == [50, 51]
+    assert old is not None and cache.cached_pages() == []
+
+
+def test_integrity_check_detects_a_lock_nobody_holds() -> None:
+    cache = RadixCache(page_size=1)
+    node, _ = cache.insert([1, 2], [10, 11])
+    cache.lock(node)
+    with pytest.raises(AssertionError, match="lock count"):
+        cache.check_integrity([])
+
+
+def make_manager(num_pages: int = 8, page_size: int = 2, cache: str = "radix") -> KVCacheManager:
+    return KVCacheManager(num_pages, page_size, torch.zeros((4, 32), dtype=torch.int32), cache)
+
+
+def test_manager_writes_page_locations_into_the_page_table() -> None:
+    kv = make_manager()
+    kv.admit(1, [])
+    assert kv.reserve(1, 5)  # 3 pages of 2
+    kv.flush()
+    locs = kv.page_table[1, :6].tolist()
+    pages = [loc // 2 for loc in locs]
+    assert [loc % 2 for loc in locs] == [0, 1] * 3 and len(set(pages)) == 3
+    kv.check_integrity()
+
+
+def test_released_prefix_is_reused_and_accounting_holds() -> None:
+    kv = make_manager()
+    ids = [1, 2, 3, 4, 5]
+    kv.admit(0, ids[:4])
+    assert kv.reserve(0, 5)
+    kv.release(0, ids)  # pages of [1,2] and [3,4] go to the cache, the half page is freed
+    kv.check_integrity()
+    assert len(kv.prefix_cache.cached_pages()) == 2 and kv.allocator.num_free == 6
+    assert kv.admit(1, ids[:4]) == 4
+    kv.check_integrity()
+    assert kv.prefix_cache.num_evictable_pages == 0  # locked by slot 1
+    assert not kv.reserve(1, 4 + 2 * 7)  # 7 more pages: only 6 are free
+    assert kv.reserve(1, 4 + 2 * 6)
+    with pytest.raises(AssertionError, match="cover the prefix"):
+        kv.release(1, [])  # the slot's first two pages belong to the cache: it must say which
+
+
+def test_release_after_reuse_frees_only_private_pages() -> None:
+    kv = make_manager()
+    ids = list(range(10))
+    kv.admit(0, [])
+    kv.reserve(0, 4)
+    kv.release(0, ids[:4])
+    assert kv.admit(1, ids[:4]) == 4
+    kv.reserve(1, 9)
+    kv.release(1, ids[:9])
+    kv.check_integrity()
+    assert len(kv.prefix_cache.cached_pages()) == 4 and kv.allocator.num_free == 4
+
+
+def test_reserve_evicts_unlocked_prefixes_when_short() -> None:
+    kv = make_manager(num_pages=4)
+    kv.admit(0, [])
+    kv.reserve(0, 8)
+    kv.release(0, list(range(8)))  # 4 pages cached, none free
+    assert kv.allocator.num_free == 0 and kv.available_pages == 4
+    kv.admit(1, [])
+    assert kv.reserve(1, 6)
+    assert kv.allocator.num_free == 0 and len(kv.prefix_cache.cached_pages()) == 1
+    kv.check_integrity()
+
+
+def test_integrity_check_detects_a_double_free() -> None:
+    kv = make_manager()
+    kv.admit(0, [])
+    kv.reserve(0, 2)
+    kv.allocator.free(list(kv._pages[0]))  # a bug that frees a page still in use
+    with pytest.raises(AssertionError, match="both free and in use"):
+        kv.check_integrity()

@@ -1,0 +1,169 @@
+"""The op layer (chapter 2): BaseOP's naming and loading rules, and the reference ops against HF."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+from minisgl.distributed import set_tp_info
+from minisgl.kernel import torch_ops
+from minisgl.layers import BaseOP, OPList, StateLessOP, get_rope, set_rope_device
+from minisgl.models import CausalLM, ModelConfig
+from minisgl.models.decoder import DecoderLayer
+from minisgl.utils import cached_load_hf_config, torch_dtype
+
+from .conftest import QWEN3_TOKENIZER
+
+
+class Leaf(BaseOP):
+    def __init__(self) -> None:
+        self.weight = torch.zeros(2)
+        self._scratch = torch.zeros(3)  # underscore: not a weight
+
+
+class Tree(BaseOP):
+    def __init__(self) -> None:
+        self.head = Leaf()
+        self.layers = OPList([Leaf(), Leaf()])
+        self.rope = StateLessOP()
+        self.scale = torch.ones(1)
+
+
+@pytest.fixture(autouse=True)
+def single_rank() -> None:
+    set_tp_info(0, 1)
+
+
+def test_state_dict_names_follow_attribute_paths_and_skip_underscored() -> None:
+    assert sorted(Tree().state_dict()) == [
+        "head.weight",
+        "layers.0.weight",
+        "layers.1.weight",
+        "scale",
+    ]
+
+
+def test_load_replaces_tensors_without_copying() -> None:
+    tree = Tree()
+    new = {name: torch.full_like(t, 7.0) for name, t in tree.state_dict().items()}
+    expected = dict(new)
+    tree.load_state_dict(new)
+    assert new == {}, "loading consumes the dict"
+    for name, t in tree.state_dict().items():
+        assert t is expected[name]
+
+
+def test_leftover_key_is_an_error() -> None:
+    tree = Tree()
+    state = {name: t.clone() for name, t in tree.state_dict().items()}
+    state["layers.2.weight"] = torch.zeros(2)
+    with pytest.raises(RuntimeError, match=r"Unexpected keys.*layers\.2\.weight"):
+        tree.load_state_dict(state)
+
+
+def test_wrong_shape_names_the_tensor() -> None:
+    state = {name: t.clone() for name, t in Tree().state_dict().items()}
+    state["layers.1.weight"] = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"layers\.1\.weight"):
+        Tree().load_state_dict(state)
+
+
+def test_meta_build_costs_no_memory_then_loads() -> None:
+    config = ModelConfig.from_hf(cached_load_hf_config(QWEN3_TOKENIZER))
+    set_rope_device(torch.device("cpu"))
+    with torch.device("meta"), torch_dtype(torch.bfloat16):
+        layer = DecoderLayer(config, layer_id=0)
+    state = layer.state_dict(prefix="model.layers.0")
+    assert {t.device.type for t in state.values()} == {"meta"}
+    assert state["model.layers.0.self_attn.qkv_proj.weight"].shape == (4096, 1024)
+    assert state["model.layers.0.mlp.gate_up_proj.weight"].shape == (6144, 1024)
+    assert "model.layers.0.self_attn.q_norm.weight" in state
+    real = {name: torch.randn(t.shape, dtype=t.dtype) for name, t in state.items()}
+    layer.load_state_dict(real, prefix="model.layers.0")
+    assert layer.self_attn.qkv_proj.weight.device.type == "cpu"
+
+
+def test_rope_needs_a_real_device_for_meta_builds() -> None:
+    set_rope_device(None)  # type: ignore[arg-type]
+    with torch.device("meta"), pytest.raises(RuntimeError, match="set_rope_device"):
+        get_rope(16, 64, 1234.5)
+    set_rope_device(torch.device("cpu"))
+
+
+def test_tied_lm_head_has_no_weight_of_its_own() -> None:
+    config = ModelConfig.from_hf(cached_load_hf_config(QWEN3_TOKENIZER))
+    set_rope_device(torch.device("cpu"))
+    with torch.device("meta"):
+        model = CausalLM(config)
+    names = model.state_dict()
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+def test_rmsnorm_matches_hf_exactly() -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 1024), torch.randn(1024)
+    ref = Qwen3RMSNorm(1024, eps=1e-6)
+    ref.weight.data.copy_(w)
+    assert (torch_ops.rmsnorm(x, w, 1e-6) - ref(x)).abs().max().item() == 0.0
+
+
+def test_fused_add_rmsnorm_returns_norm_and_new_residual() -> None:
+    torch.manual_seed(0)
+    x, residual, w = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
+    want_residual = x + residual
+    want = torch_ops.rmsnorm(want_residual, w, 1e-5)
+    torch_ops.fused_add_rmsnorm(x, residual, w, 1e-5)
+    assert torch.equal(residual, want_residual) and torch.equal(x, want)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
+def test_rope_matches_hf_exactly(scaling: dict | None) -> None:
+    from transformers import LlamaConfig
+
+    head_dim, theta, max_pos = 128, 500000.0, 4096
+    hf_config = LlamaConfig(
+        hidden_size=16 * head_dim, num_attention_heads=16, max_position_embeddings=max_pos,
+        rope_theta=theta, rope_scaling=scaling,
+    )  # fmt: skip
+    hf_rope = LlamaRotaryEmbedding(hf_config)
+    set_rope_device(torch.device("cpu"))
+    rope = get_rope(head_dim, max_pos, theta, tuple(sorted(scaling.items())) if scaling else None)
+    torch.manual_seed(0)
+    pos = torch.tensor([0, 7, 100, 4095])
+    q, k = torch.randn(4, 16 * head_dim), torch.randn(4, 8 * head_dim)
+    cos, sin = hf_rope(q, pos[None])
+    q_ref, k_ref = apply_rotary_pos_emb(
+        q.view(4, 16, head_dim).transpose(0, 1)[None],
+        k.view(4, 8, head_dim).transpose(0, 1)[None],
+        cos,
+        sin,
+    )
+    rope.forward(pos, q, k)
+    assert (q.view(4, 16, head_dim).transpose(0, 1) - q_ref[0]).abs().max().item() == 0.0
+    assert (k.view(4, 8, head_dim).transpose(0, 1) - k_ref[0]).abs().max().item() == 0.0
+
+
+def test_vocab_parallel_indexing_masks_other_shards() -> None:
+    w = torch.arange(20.0).view(10, 2)  # the vocabulary slice [5, 15)
+    ids = torch.tensor([3, 5, 14, 15, 9])
+    out = torch_ops.indexing(w, ids, vocab_range=(5, 10))
+    assert out.tolist() == [[0, 0], [0, 1], [18, 19], [0, 0], [8, 9]]
+
+
+def test_silu_and_mul_matches_the_unmerged_mlp() -> None:
+    torch.manual_seed(0)
+    gate, up = torch.randn(3, 8), torch.randn(3, 8)
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.equal(torch_ops.silu_and_mul(torch.cat([gate, up], dim=-1)), want)

@@ -1,0 +1,151 @@
+"""The generic decoder and the loader: the same function as Hugging Face, for every architecture."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from minisgl import LLM, SamplingParams
+from minisgl.core import Batch, Req
+from minisgl.engine import Engine, EngineConfig
+from minisgl.kvcache import KVCacheManager
+from minisgl.utils import DEFAULT_MODEL_PATH
+
+from .conftest import DEVICE, hf_greedy, hf_model
+
+# (architecture, checkpoint options): GQA everywhere; tied and untied; Llama 3.1 rope scaling;
+# Qwen3's head_dim differs from hidden / heads; one checkpoint sharded over several files
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
+    "qwen3": ("qwen3", {}),
+    "qwen3-sharded": ("qwen3", {"max_shard_size": "100KB", "tie_word_embeddings": False}),
+}
+PROMPT = [7, 300, 12, 99, 450, 3, 81, 81, 200, 17, 64, 5]
+
+
+def prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prompt, through the real pool and attention backend."""
+    kv = KVCacheManager(engine.num_pages, engine.page_size, engine.page_table, "naive")
+    kv.admit(0, [])
+    assert kv.reserve(0, len(ids))
+    kv.flush()
+    device = engine.device
+    req = Req(rid=0, prompt_ids=ids, params=SamplingParams(), seed=0, slot=0)
+    batch = Batch(
+        reqs=[req], prefix_lens=[0], extend_lens=[len(ids)], sample_rows=[0],
+        input_ids=torch.tensor(ids, dtype=torch.int32, device=device),
+        positions=torch.arange(len(ids), dtype=torch.int32, device=device),
+        out_loc=engine.page_table[0, : len(ids)], slots=torch.zeros(1, dtype=torch.int32, device=device),
+        is_decode=False, all_logits=True,
+    )  # fmt: skip
+    return engine.forward_logits(batch).float().cpu()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_and_greedy_tokens_equal_hf(checkpoint, variant: str) -> None:
+    arch, options = VARIANTS[variant]
+    path = checkpoint(arch, **options)
+    if "max_shard_size" in options:
+        assert (path / "model.safetensors.index.json").is_file()
+        assert len(list(path.glob("*.safetensors"))) > 1
+    hf = hf_model(path)
+    with torch.no_grad():
+        want_logits = hf(torch.tensor([PROMPT])).logits[0]
+    llm = LLM(str(path), device=DEVICE, dtype="float32", max_kv_tokens=512)
+    got_logits = prefill_logits(llm.engine, PROMPT)
+    assert (got_logits - want_logits).abs().max().item() < 1e-5
+
+    want = hf_greedy(hf, PROMPT, 32)
+    assert len(set(want)) > 8, "the random model should not repeat one token"
+    out = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
+    )
+    assert out[0]["token_ids"] == want
+
+
+def test_embedded_model_continues_once_upon_a_time_as_recorded() -> None:
+    reference = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337,
+                 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394]  # fmt: skip
+    llm = LLM(device=DEVICE, dtype="float32", max_kv_tokens=1024)
+    out = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=32), use_tqdm=False
+    )
+    assert out[0]["token_ids"] == reference
+    assert out[0]["text"].startswith(", there was a little girl named Lily.")
+
+
+def test_embedded_model_stops_on_either_eos_id() -> None:
+    llm = LLM(device=DEVICE, dtype="float32", max_kv_tokens=2048)
+    out = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=500), use_tqdm=False
+    )
+    # recorded with HF: generation_config's eos is [2, 1] and the story ends on id 1 after 342 tokens
+    assert out[0]["finish_reason"] == "stop"
+    assert len(out[0]["token_ids"]) == 342 and out[0]["token_ids"][-1] == 1
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
+    config = json.loads((DEFAULT_MODEL_PATH / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        Engine(EngineConfig(model_path=tmp_path, device=DEVICE, max_kv_tokens=64))
+
+
+def _corrupt_copy(src: Path, dst: Path, edit) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_wrong_shape_names_the_tensor_and_file(checkpoint, tmp_path: Path) -> None:
+    name = "model.layers.1.self_attn.k_proj.weight"
+
+    def edit(t: dict) -> None:
+        t[name] = torch.zeros(3, 64)
+
+    path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
+    with pytest.raises(ValueError, match=rf"{name}.*model\.safetensors.*\(3, 64\)"):
+        Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64))
+
+
+def test_missing_tensor_is_named(checkpoint, tmp_path: Path) -> None:
+    name = "model.layers.0.mlp.up_proj.weight"
+    path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=rf"missing.*{name}"):
+        Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64))
+
+
+def test_unexpected_tensor_is_named(checkpoint, tmp_path: Path) -> None:
+    name = "model.layers.7.mlp.up_proj.weight"  # the model has 2 layers
+
+    def edit(t: dict) -> None:
+        t[name] = torch.zeros(128, 64)
+
+    path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
+    with pytest.raises(ValueError, match=rf"unexpected.*{name}.*model\.safetensors"):
+        Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64))

@@ -1,0 +1,164 @@
+"""The sampler (per-request parameters and seeds) and the stop rules."""
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.engine import Sampler, SamplingArgs
+
+from .conftest import DEVICE, hf_model
+
+PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
+N = 20000
+
+
+def sample_many(probs: torch.Tensor, **params: float) -> torch.Tensor:
+    """Frequencies of N draws (N distinct seeds) from one fixed distribution."""
+    rows = N
+    args = SamplingArgs(
+        temperatures=torch.full((rows,), float(params.get("temperature", 1.0))),
+        top_k=torch.full((rows,), int(params.get("top_k", len(probs))), dtype=torch.int64),
+        top_p=torch.full((rows,), float(params.get("top_p", 1.0))),
+        min_p=torch.full((rows,), float(params.get("min_p", 0.0))),
+        seeds=torch.arange(rows, dtype=torch.int64) * 7919,
+        positions=torch.full((rows,), 3, dtype=torch.int64),
+        greedy=torch.zeros(rows, dtype=torch.bool),
+        all_greedy=False,
+        use_top_k_top_p="top_k" in params or "top_p" in params,
+        use_min_p="min_p" in params,
+        num_logprobs=-1,
+    )
+    logits = probs.log().expand(rows, -1).clone()
+    tokens = Sampler(len(probs), torch.device("cpu")).sample(logits, args).tokens
+    return torch.bincount(tokens.long(), minlength=len(probs)).float() / rows
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({}, [0.4, 0.3, 0.2, 0.1]),
+        ({"temperature": 0.5}, [16 / 30, 9 / 30, 4 / 30, 1 / 30]),  # p^2, renormalised
+        ({"top_k": 2}, [4 / 7, 3 / 7, 0, 0]),
+        ({"top_p": 0.75}, [4 / 9, 3 / 9, 2 / 9, 0]),  # smallest set reaching 0.75
+        ({"top_p": 0.35}, [1.0, 0, 0, 0]),
+        ({"min_p": 0.6}, [4 / 7, 3 / 7, 0, 0]),  # keep p >= 0.6 * max
+        ({"top_k": 3, "top_p": 0.5}, [4 / 7, 3 / 7, 0, 0]),
+    ],
+)
+def test_filtered_distribution_is_sampled_faithfully(params: dict, expected: list[float]) -> None:
+    freq = sample_many(PROBS, **params)
+    # 20000 draws: the standard error of a frequency is <= 0.0036, so 0.02 is > 5 sigma
+    assert torch.allclose(freq, torch.tensor(expected), atol=0.02), freq.tolist()
+    assert all(f == 0 for f, e in zip(freq.tolist(), expected, strict=True) if e == 0)
+
+
+def test_hash_uniform_is_uniform() -> None:
+    from minisgl.engine.sampler import hash_uniform
+
+    u = hash_uniform(
+        torch.arange(100000, dtype=torch.int64), torch.zeros(100000, dtype=torch.int64)
+    )
+    assert u.min() > 0 and u.max() < 1
+    hist = torch.histc(u.float(), bins=10, min=0, max=1) / len(u)
+    assert (hist - 0.1).abs().max() < 0.01
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> LLM:
+    return LLM(str(checkpoint("llama")), device=DEVICE, dtype="float32", max_kv_tokens=8192)
+
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+
+
+def test_seed_reproduces_alone_and_in_a_batch(llm: LLM) -> None:
+    sp = SamplingParams(temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPT], sp, use_tqdm=False)[0]["token_ids"]
+    assert llm.generate([PROMPT], sp, use_tqdm=False)[0]["token_ids"] == alone
+    others = [[i, i + 1, i + 2] for i in range(5)]
+    batch = others + [PROMPT] + others
+    params = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 5
+    params = [*params, sp, *params]
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert outs[5]["token_ids"] == alone
+    different = SamplingParams(temperature=1.0, max_tokens=16, seed=4321, ignore_eos=True)
+    assert llm.generate([PROMPT], different, use_tqdm=False)[0]["token_ids"] != alone
+
+
+def test_top_k_1_equals_greedy(llm: LLM) -> None:
+    greedy = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
+    top1 = llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=1.3, top_k=1, max_tokens=16, ignore_eos=True, seed=9),
+        use_tqdm=False,
+    )
+    assert top1[0]["token_ids"] == greedy[0]["token_ids"]
+
+
+def test_logprobs_are_the_models_log_softmax(llm: LLM, checkpoint) -> None:
+    out = llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=0, max_tokens=3, logprobs=5, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    hf = hf_model(checkpoint("llama"))
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0, -1], -1)
+    first = out["logprobs"][0]
+    assert first["token_id"] == out["token_ids"][0] == first["top_logprobs"][0]["token_id"]
+    assert abs(first["logprob"] - want[first["token_id"]].item()) < 1e-4
+    top = [t["logprob"] for t in first["top_logprobs"]]
+    assert len(top) == 5 and top == sorted(top, reverse=True)
+    assert [t["token_id"] for t in first["top_logprobs"]] == want.topk(5).indices.tolist()
+
+
+@pytest.fixture(scope="module")
+def stories() -> LLM:
+    return LLM(device=DEVICE, dtype="float32", max_kv_tokens=2048)
+
+
+GREEDY_TEXT = ", there was a little girl named Lily. She loved to play outside in the park."
+
+
+def test_stop_string_ends_generation_and_is_not_in_the_text(stories: LLM) -> None:
+    out = stories.generate(
+        "Once upon a time",
+        SamplingParams(temperature=0, max_tokens=64, stop=["Lily", "zebra"]),
+        use_tqdm=False,
+    )[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == ", there was a little girl named "
+
+
+def test_stop_token_id_ends_generation(stories: LLM) -> None:
+    full = stories.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=32), use_tqdm=False
+    )[0]
+    stop_id = full["token_ids"][6]  # first occurrence is at index 6
+    assert stop_id not in full["token_ids"][:6]
+    out = stories.generate(
+        "Once upon a time",
+        SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0]
+    assert out["finish_reason"] == "stop" and out["token_ids"] == full["token_ids"][:7]
+    assert full["text"].startswith(out["text"]) and len(out["text"]) < len(full["text"])
+
+
+def test_any_eos_id_stops_unless_ignored(checkpoint) -> None:
+    path = checkpoint("llama")
+    greedy = LLM(str(path), device=DEVICE, dtype="float32", max_kv_tokens=1024).generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )[0]["token_ids"]
+    eos = greedy[9]
+    first = greedy.index(eos)
+    with_eos = checkpoint("llama", eos_token_id=[511, eos])  # same weights: same seed
+    llm = LLM(str(with_eos), device=DEVICE, dtype="float32", max_kv_tokens=1024)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop" and out["token_ids"] == greedy[: first + 1]
+    ignored = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )
+    assert ignored[0]["token_ids"] == greedy and ignored[0]["finish_reason"] == "length"
