@@ -121,7 +121,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
 
 def hf_model(path: Path) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    """The fp32 Hugging Face reference, on the device the engine under test uses."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.to(DEVICE).eval()
 
 
 @torch.no_grad()
@@ -130,8 +132,8 @@ def hf_greedy(
 ) -> list[int]:
     """Hugging Face greedy decoding, eos ignored (the reference for token-by-token checks)."""
     out = model.generate(
-        torch.tensor([prompt_ids]),
-        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        torch.tensor([prompt_ids], device=model.device),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=model.device),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=None,  # never stop early: the engine runs with ignore_eos
@@ -143,7 +145,7 @@ def hf_greedy(
 @torch.no_grad()
 def hf_top2_gap(model: transformers.PreTrainedModel, ids: list[int]) -> float:
     """HF's gap between the two largest next-token logits after `ids` (near-tie evidence)."""
-    logits = model(torch.tensor([ids])).logits[0, -1]
+    logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
     top2 = logits.topk(2).values
     return float(top2[0] - top2[1])
 

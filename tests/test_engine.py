@@ -10,6 +10,7 @@ from minisgl import LLM, SamplingParams
 from .conftest import DEVICE, assert_same_or_near_tie, hf_greedy, hf_model
 
 NUM_PROMPTS = 40
+PLAIN = {"attention_backend": "torch", "cuda_graph_max_bs": 0, "overlap": False}
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,9 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
 
 @pytest.fixture(scope="module")
 def reference(model_path, workload) -> list[list[int]]:
-    """Each request alone, through the plain engine."""
+    """Each request alone, through the reference path: torch attention, no graphs, no overlap."""
     prompts, params = workload
-    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=4096, overlap=False)
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=4096, **PLAIN)
     return [
         llm.generate([p], sp, use_tqdm=False)[0]["token_ids"]
         for p, sp in zip(prompts, params, strict=True)
@@ -69,6 +70,7 @@ def assert_matches_reference(model_path, workload, reference, outputs) -> None:
         {"cache": "naive"},
         {"overlap": False},
         {"cuda_graph_max_bs": 16},
+        {"cuda_graph_max_bs": 16, "overlap": False},
     ],
     ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default",
 )
@@ -184,3 +186,42 @@ def test_abort_frees_the_request(model_path) -> None:
             assert out.rid == 101
     scheduler.check_integrity()
     assert scheduler.kv.used_pages == len(scheduler.kv.prefix_cache.cached_pages())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_random_arrivals_aborts_and_preemption_keep_the_pool_consistent(
+    model_path, overlap: bool, page_size: int
+) -> None:
+    rng = random.Random(page_size * 2 + overlap)
+    llm = LLM(
+        str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=640, page_size=page_size,
+        chunk_size=48, overlap=overlap,
+    )  # fmt: skip
+    scheduler, shared = llm.scheduler, [rng.randrange(512) for _ in range(40)]
+    expected, finished, aborted = {}, {}, set()
+    alone = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1024, **PLAIN)
+    for rid in range(30):
+        prompt = (shared if rng.random() < 0.5 else []) + [
+            rng.randrange(512) for _ in range(rng.randint(1, 90))
+        ]
+        sp = SamplingParams(temperature=0, max_tokens=rng.randint(1, 30), ignore_eos=True)
+        expected[rid] = alone.generate([prompt], sp, use_tqdm=False)[0]["token_ids"]
+        scheduler.add_request(rid, prompt, sp)
+        finished[rid] = []
+    while scheduler.has_work:
+        for out in scheduler.step():
+            finished[out.rid].append(out.token_id)
+        if rng.random() < 0.1:
+            rid = rng.randrange(30)
+            if scheduler.abort_request(rid) is not None:
+                aborted.add(rid)
+        scheduler.check_integrity()
+    assert scheduler.stats.num_preemptions > 0
+    for rid, tokens in finished.items():
+        if rid not in aborted:
+            assert tokens == expected[rid], rid
+        else:
+            assert tokens == expected[rid][: len(tokens)]
+    kv = scheduler.kv
+    assert kv.allocator.num_free + len(kv.prefix_cache.cached_pages()) == kv.num_pages

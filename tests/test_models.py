@@ -69,7 +69,7 @@ def test_logits_and_greedy_tokens_equal_hf(checkpoint, variant: str) -> None:
         assert len(list(path.glob("*.safetensors"))) > 1
     hf = hf_model(path)
     with torch.no_grad():
-        want_logits = hf(torch.tensor([PROMPT])).logits[0]
+        want_logits = hf(torch.tensor([PROMPT], device=hf.device)).logits[0].cpu()
     llm = LLM(str(path), device=DEVICE, dtype="float32", max_kv_tokens=512)
     got_logits = prefill_logits(llm.engine, PROMPT)
     assert (got_logits - want_logits).abs().max().item() < 1e-5

@@ -105,7 +105,9 @@ def test_logprobs_are_the_models_log_softmax(llm: LLM, checkpoint) -> None:
     )[0]
     hf = hf_model(checkpoint("llama"))
     with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0, -1], -1)
+        want = torch.log_softmax(
+            hf(torch.tensor([PROMPT], device=hf.device)).logits[0, -1], -1
+        ).cpu()
     first = out["logprobs"][0]
     assert first["token_id"] == out["token_ids"][0] == first["top_logprobs"][0]["token_id"]
     assert abs(first["logprob"] - want[first["token_id"]].item()) < 1e-4

@@ -1,17 +1,75 @@
-"""Op dispatch: a fast kernel for CUDA half-precision tensors when one is installed, else the reference.
+"""Op dispatch: a Triton kernel for CUDA fp16/bf16 tensors when triton is installed, else the
+PyTorch reference. fp32 always takes the reference: it is what the tests compare with Hugging Face.
 
-fp32 always takes the reference path: it is what the correctness tests compare with Hugging Face.
+`minisgl.kernel.triton` exposes the same functions with the same semantics as `torch_ops`; it is
+imported on first use only, so CPU-only installs never import triton.
 """
 
+import functools
+import importlib.util
+from types import ModuleType
+
+import torch
+
 from . import torch_ops
-from .torch_ops import (
-    apply_rope_inplace,
-    fused_add_rmsnorm,
-    indexing,
-    rmsnorm,
-    silu_and_mul,
-    store_kv,
-)
+from .torch_ops import indexing
+
+_FAST_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _fast_ops() -> ModuleType:
+    if importlib.util.find_spec("triton") is None:
+        return torch_ops
+    from . import triton as triton_ops
+
+    return triton_ops
+
+
+def _ops_for(x: torch.Tensor) -> ModuleType:
+    return _fast_ops() if x.is_cuda and x.dtype in _FAST_DTYPES else torch_ops
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dimension, into `out` when given (which may be x itself)."""
+    return _ops_for(x).rmsnorm(x, weight, eps, out)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: residual <- x + residual; x <- rmsnorm(residual)."""
+    _ops_for(x).fused_add_rmsnorm(x, residual, weight, eps)
+
+
+def apply_rope_inplace(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """NeoX-style rotary embedding in place; cos_sin_cache: [max_pos, D], cos then sin."""
+    _ops_for(query).apply_rope_inplace(positions, query, key, head_size, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dimension -> silu(gate) * up."""
+    return _ops_for(x).silu_and_mul(x)
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Write this step's K/V rows at the pool locations `out_loc`."""
+    _ops_for(k_cache).store_kv(k_cache, v_cache, out_loc, k, v)
+
 
 __all__ = [
     "apply_rope_inplace",

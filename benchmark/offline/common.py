@@ -1,0 +1,208 @@
+"""What the offline benchmarks share: the standard workload, the copy bandwidth of the device, the
+memory-bandwidth floor of a decode workload, and the side-by-side table they print.
+
+The floor is the time a perfect engine would need if decoding were bound only by memory traffic:
+every decode step reads all weights once plus the KV cache of every live request.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minisgl.kvcache import KVPool
+from minisgl.llm import LLM
+
+QWEN3_SHAPE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "qwen3-tokenizer"
+# nano-vllm's bench draws prompt ids below 10000; ids are folded into smaller vocabularies
+MAX_TOKEN_ID = 10000
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt_lens)
+
+
+def make_workload(
+    num_requests: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0
+) -> Workload:
+    """nano-vllm's bench workload: all prompts first (length, then ids), then all output lengths,
+    drawn in that order, so seed 0 gives the standard lengths (same stream as `random.seed(0)`)."""
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randint(0, MAX_TOKEN_ID) % vocab_size for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(num_requests)
+    ]
+    output_lens = [rng.randint(min_len, max_len) for _ in range(num_requests)]
+    return Workload(prompts, output_lens)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """(fn's result, wall seconds), with the device drained before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 10) -> float:
+    """Device copy bandwidth in bytes/s (bytes read + written), the median of `repeats` copies."""
+    if nbytes is None:  # far beyond any cache; smaller on the host to keep smoke runs quick
+        nbytes = 1 << 30 if device.type == "cuda" else 1 << 27
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first-touch page faults, lazy driver init
+    seconds = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            seconds.append(timed(lambda: dst.copy_(src), device)[1])
+    return 2 * nbytes / statistics.median(seconds)
+
+
+def model_bytes(llm: LLM) -> tuple[int, int]:
+    """(bytes of all weights, KV bytes per token) of the engine's model; a tied weight counts once."""
+    tensors = {t.data_ptr(): t for t in llm.engine.model.state_dict().values()}
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    mc = llm.engine.model_config
+    kv_per_token = KVPool.bytes_per_token(
+        mc.num_layers, mc.num_kv_heads, mc.head_dim, llm.engine.dtype
+    )
+    return weight_bytes, kv_per_token
+
+
+def floor_bytes(
+    prompt_lens: Sequence[int], output_lens: Sequence[int], weight_bytes: int, kv_per_token: int
+) -> int:
+    """Bytes a decode-bound run must read when all requests start together: each step reads the
+    weights once, and request i at its step t (1..o_i) reads p_i + t tokens of KV."""
+    steps = max(output_lens)
+    # sum over t = 1..o of (p + t) = o * p + o * (o + 1) / 2
+    kv_tokens = sum(o * p + o * (o + 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
+    return steps * weight_bytes + kv_tokens * kv_per_token
+
+
+def floor_row(
+    name: str, workload: Workload, weight_bytes: int, kv_per_token: int, bandwidth: float
+) -> Row:
+    seconds = (
+        floor_bytes(workload.prompt_lens, workload.output_lens, weight_bytes, kv_per_token)
+        / bandwidth
+    )
+    # all requests decode together, so the run takes as many steps as the longest output
+    return result_row(
+        name,
+        len(workload.prompts),
+        workload.prompt_tokens,
+        workload.output_tokens,
+        seconds,
+        steps=max(workload.output_lens),
+    )
+
+
+def result_row(
+    name: str,
+    requests: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    seconds: float,
+    steps: int | None = None,
+) -> Row:
+    """One line of the table; steps: forward steps taken, where known."""
+    return {
+        "system": name,
+        "requests": requests,
+        "output_tokens": output_tokens,
+        "steps": steps,
+        "seconds": seconds,
+        "output_tok_s": output_tokens / seconds,
+        "total_tok_s": (prompt_tokens + output_tokens) / seconds,
+    }
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return "-" if value is None else str(value)
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    """One column per key of the first row, one line per row; absent values print as '-'."""
+    headers = list(rows[0])
+    cells = [headers] + [[format_value(row.get(h)) for h in headers] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(headers))]
+    for line in cells:  # names left-aligned, numbers right-aligned
+        padded = [
+            c.rjust(w) if i else c.ljust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        ]
+        print("  ".join(padded))
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path is not None:
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The flags both scripts share: the model, where it runs, and the engine ablations."""
+    parser.add_argument(
+        "--model", default=str(QWEN3_SHAPE), help="model directory (weights are random)"
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--no-cuda-graph", action="store_true", help="cuda_graph_max_bs=0")
+    parser.add_argument("--no-overlap", action="store_true", help="no overlap scheduling")
+    parser.add_argument("--json", help="also write the results here")
+
+
+def build_llm(args: argparse.Namespace, **kwargs: Any) -> LLM:
+    """The engine under test, with dummy weights: the values do not change the speed."""
+    return LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        attention_backend=args.attention_backend,
+        cuda_graph_max_bs=0 if args.no_cuda_graph else None,
+        overlap=not args.no_overlap,
+        dummy_weights=True,
+        **kwargs,
+    )

@@ -1,0 +1,112 @@
+"""Single-request latency: time to first token and decode speed of one greedy request, side by side
+with the memory-bandwidth floor of one request (every step reads all weights and its own KV).
+
+    python benchmark/offline/latency.py                        # the standard run (H200)
+    python benchmark/offline/latency.py --model TINY --device cpu --dtype float32 \
+        --prompt-len 16 --output-len 8                         # CPU smoke run
+"""
+
+import argparse
+import statistics
+from typing import Any
+
+from common import (
+    add_engine_args,
+    build_llm,
+    floor_bytes,
+    make_workload,
+    measure_bandwidth,
+    model_bytes,
+    print_table,
+    timed,
+    write_json,
+)
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+from minisgl.utils import cached_load_hf_config, resolve_device
+
+GOAL_TOK_S = 1500  # the issue's goal for one request on an H200
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(parser)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
+    return parser.parse_args(argv)
+
+
+def generate_seconds(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[int, float]:
+    """(tokens generated, wall seconds) of one greedy request that ignores EOS."""
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens)
+    results, seconds = timed(
+        lambda: llm.generate([prompt], params, use_tqdm=False), llm.engine.device
+    )
+    return len(results[0]["token_ids"]), seconds
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.output_len < 2:
+        raise SystemExit(
+            "--output-len must be >= 2: decode speed is measured after the first token"
+        )
+    device = resolve_device(args.device)
+    vocab_size = cached_load_hf_config(args.model).vocab_size
+    # a fresh prompt for each run, so that no run finds an earlier one in the prefix cache
+    n = args.repeats
+    prompts = make_workload(1 + 2 * n, args.prompt_len, args.prompt_len, vocab_size).prompts
+    bandwidth = measure_bandwidth(device)
+    llm = build_llm(args, max_running_requests=1)
+
+    generate_seconds(llm, prompts[0], 16)  # warm-up
+    ttft = statistics.median(generate_seconds(llm, p, 1)[1] for p in prompts[1 : 1 + n])
+    runs = [generate_seconds(llm, p, args.output_len) for p in prompts[1 + n :]]
+    output_tokens = runs[0][0]
+    total = statistics.median(seconds for _, seconds in runs)
+    # the first token costs what a one-token request costs; the rest is decode
+    decode_s = (total - ttft) / (output_tokens - 1)
+    ours = {
+        "system": "minisgl",
+        "output_tokens": output_tokens,
+        "ttft_ms": 1e3 * ttft,
+        "ms_per_token": 1e3 * decode_s,
+        "decode_tok_s": 1 / decode_s,
+    }
+    weight_bytes, kv_per_token = model_bytes(llm)
+    floor_s = floor_bytes([args.prompt_len], [args.output_len], weight_bytes, kv_per_token)
+    floor_s /= bandwidth
+    floor = {
+        "system": f"floor @ {bandwidth / 1e9:,.0f} GB/s",
+        "output_tokens": args.output_len,
+        "ttft_ms": None,
+        "ms_per_token": 1e3 * floor_s / args.output_len,
+        "decode_tok_s": args.output_len / floor_s,
+    }
+    rows = [ours, floor]
+    for row in rows:
+        row["%_of_floor"] = 100 * row["decode_tok_s"] / floor["decode_tok_s"]
+
+    print(
+        f"\none request: {args.prompt_len} prompt + {args.output_len} output tokens, greedy; "
+        f"weights {weight_bytes / 1e6:,.1f} MB, KV {kv_per_token / 1024:,.1f} KiB/token"
+    )
+    print_table(rows)
+    print(f"goal: {GOAL_TOK_S:,} decode tok/s")
+    payload = {
+        "benchmark": "single-request latency",
+        "args": vars(args),
+        "bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_per_token,
+        "rows": rows,
+        "goal_decode_tok_s": GOAL_TOK_S,
+    }
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

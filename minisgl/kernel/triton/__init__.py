@@ -1,0 +1,22 @@
+"""Triton kernels. The elementwise ops share names and semantics with `minisgl.kernel.torch_ops`
+(so `minisgl.kernel` can dispatch between the two modules); the attention kernels serve the
+`triton` attention backend."""
+
+from .activation import silu_and_mul
+from .decode_attention import decode_attention, decode_num_splits
+from .extend_attention import extend_attention, extend_blocks
+from .norm import fused_add_rmsnorm, rmsnorm
+from .rope import apply_rope_inplace
+from .store_kv import store_kv
+
+__all__ = [
+    "apply_rope_inplace",
+    "decode_attention",
+    "decode_num_splits",
+    "extend_attention",
+    "extend_blocks",
+    "fused_add_rmsnorm",
+    "rmsnorm",
+    "silu_and_mul",
+    "store_kv",
+]

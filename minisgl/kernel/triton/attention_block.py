@@ -1,0 +1,44 @@
+"""The inner step both paged attention kernels share: one block of keys, read through the page table."""
+
+import triton
+import triton.language as tl
+
+_MIN_DOT_SIZE = 16  # tl.dot needs every dimension >= 16
+
+
+def dot_block(n: int) -> int:
+    """The power-of-two tile size that holds n, at least tl.dot's minimum (head groups pad up)."""
+    return max(_MIN_DOT_SIZE, triton.next_power_of_2(n))
+
+
+@triton.jit
+def attend_block(
+    q,  # [ROWS, BLOCK_D]: query rows, one head each
+    q_pos,  # [ROWS]: each row's absolute position; it sees keys at positions <= q_pos
+    m_i,  # [ROWS] running max of the scores (log2 units)
+    l_i,  # [ROWS] running sum of 2^(score - m_i)
+    acc,  # [ROWS, BLOCK_D] fp32 running sum of 2^(score - m_i) * v
+    pos,  # [BLOCK_N] absolute key positions of this block
+    in_range,  # [BLOCK_N] which of them exist (loads are masked by it)
+    page_row_ptr,  # the request's page-table row: pool location of each position
+    k_ptr,  # K cache already offset to the KV head
+    v_ptr,
+    stride_k_loc,
+    stride_v_loc,
+    d,
+    d_mask,
+    qk_scale,  # softmax scale * log2(e): the kernels use exp2
+):
+    locs = tl.load(page_row_ptr + pos, mask=in_range, other=0).to(tl.int64)
+    kv_mask = in_range[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + locs[:, None] * stride_k_loc + d[None, :], mask=kv_mask, other=0.0)
+    # ieee only changes fp32 inputs (no TF32, so fp32 matches the reference); fp16/bf16 ignore it
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    v = tl.load(v_ptr + locs[:, None] * stride_v_loc + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i * alpha + tl.sum(p, 1), acc

@@ -1,0 +1,166 @@
+"""Paged decode attention: one new token per request, K/V read through the page table, split-K.
+
+    one request's keys, at pool locations page_table[slot, 0:seq_len]
+    |<-- split 0 -->|<-- split 1 -->|<-- split 2 -->| ... |<- split S-1 ->|
+    split_len = ceil(seq_len / S) rounded up to BLOCK_N; trailing splits may be empty
+
+    stage 1, program (req, kv_head, split): the GROUP query heads of kv_head attend to the split's
+             keys (K/V read once per group) -> partial output o_s and its log2-sum-exp lse_s
+    stage 2, program (req, head): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max)
+
+S depends on the batch size only: a CUDA graph replays the same grid and scratch buffers with new
+seq_lens, so every split derives its token range from seq_lens inside the kernel.
+"""
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_block import attend_block, dot_block
+
+_BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
+_PROGRAMS_PER_SM = 4
+_MAX_SPLITS = 32
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per request: a few programs per SM when the batch is small, 1 once the batch fills
+    the GPU by itself. A function of the batch size only (see the module docstring)."""
+    wanted = _PROGRAMS_PER_SM * _num_sms(device)
+    return max(1, min(_MAX_SPLITS, triton.cdiv(wanted, batch_size * num_kv_heads)))
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    page_table_ptr,
+    slots_ptr,
+    seq_lens_ptr,
+    mid_o_ptr,  # [bs, qo_heads, NUM_SPLITS, BLOCK_D] fp32
+    mid_lse_ptr,  # [bs, qo_heads, NUM_SPLITS] fp32
+    qk_scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_loc,
+    stride_k_head,
+    stride_v_loc,
+    stride_v_head,
+    stride_pt_row,
+    GROUP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    slot = tl.load(slots_ptr + req).to(tl.int64)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + h
+    head_mask = h < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_ptrs = q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptrs, mask=head_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1  # the new token sees every key
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    page_row_ptr = page_table_ptr + slot * stride_pt_row
+    k_head_ptr = k_ptr + kv_head * stride_k_head
+    v_head_ptr = v_ptr + kv_head * stride_v_head
+    for block_start in range(start, end, BLOCK_N):
+        pos = block_start + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = attend_block(
+            q, q_pos, m_i, l_i, acc, pos, pos < end, page_row_ptr, k_head_ptr, v_head_ptr,
+            stride_k_loc, stride_v_loc, d, d_mask, qk_scale,
+        )  # fmt: skip
+
+    # an empty split (start >= seq_len) keeps m_i = -inf, l_i = 0: output 0, lse -inf (weight 0)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = m_i + tl.log2(l_safe)
+    qo_heads = tl.num_programs(1) * GROUP
+    row = (req * qo_heads + heads) * NUM_SPLITS + split
+    tl.store(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=head_mask[:, None])
+    tl.store(mid_lse_ptr + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    o_ptr,
+    stride_o_tok,
+    stride_o_head,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    req, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row = (req * num_heads + head) * NUM_SPLITS + s
+    lse = tl.load(mid_lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 always holds keys, so the max is finite
+    partial = tl.load(
+        mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=(s < NUM_SPLITS)[:, None]
+    )
+    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+    o_ptrs = o_ptr + req * stride_o_tok + head * stride_o_head + d
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_splits: int,
+) -> torch.Tensor:
+    """q: [bs, qo_heads, D] (one token per request); caches: [locations, kv_heads, D];
+    page_table: [rows, width] int32 pool locations; slots, seq_lens: [bs] int32 (seq_len >= 1).
+    Returns [bs, qo_heads, D]. Launch shapes and scratch depend on bs and num_splits only."""
+    bs, qo_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = qo_heads // kv_heads
+    block_d = dot_block(head_dim)
+    mid_o = torch.empty((bs, qo_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((bs, qo_heads, num_splits), dtype=torch.float32, device=q.device)
+    _split_kernel[(bs, kv_heads, num_splits)](
+        q, k_cache, v_cache, page_table, slots, seq_lens, mid_o, mid_lse,
+        head_dim**-0.5 * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
+        GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+        BLOCK_H=dot_block(group), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    _reduce_kernel[(bs, qo_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+    )  # fmt: skip
+    return out

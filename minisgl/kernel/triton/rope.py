@@ -1,0 +1,77 @@
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mul(a, b):
+    """a * b rounded to a's dtype, as a torch op rounds; the explicit rounding also keeps the
+    compiler from fusing it into a multiply-add with the following sum."""
+    return (a.to(tl.float32) * b.to(tl.float32)).to(a.dtype)
+
+
+@triton.jit
+def _rotate_heads(ptr, stride_head, num_heads, cos, sin, i, i_mask, HALF, BLOCK_H: tl.constexpr):
+    """NeoX rotation of one token's heads in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+    h = tl.arange(0, BLOCK_H)
+    mask = (h < num_heads)[:, None] & i_mask[None, :]
+    x1_ptrs = ptr + h[:, None] * stride_head + i[None, :]
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0)
+    x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0)
+    # in the tensor's dtype, like the reference: cos/sin cast first, each product rounded
+    c, s = cos.to(x1.dtype)[None, :], sin.to(x1.dtype)[None, :]
+    tl.store(x1_ptrs, _mul(x1, c) - _mul(x2, s), mask=mask)
+    tl.store(x1_ptrs + HALF, _mul(x2, c) + _mul(x1, s), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_cos_sin,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    i_mask = i < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + i, mask=i_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + i, mask=i_mask, other=0.0)
+    q_tok_ptr = q_ptr + token * stride_q_tok
+    _rotate_heads(q_tok_ptr, stride_q_head, num_q_heads, cos, sin, i, i_mask, HALF, BLOCK_QH)
+    k_tok_ptr = k_ptr + token * stride_k_tok
+    _rotate_heads(k_tok_ptr, stride_k_head, num_k_heads, cos, sin, i, i_mask, HALF, BLOCK_KH)
+
+
+def apply_rope_inplace(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """NeoX-style rotary embedding (the two halves paired), in place, one program per token.
+
+    query: [T, Hq * D] or [T, Hq, D]; key likewise; cos_sin_cache: [max_pos, D], cos then sin.
+    """
+    q = query.view(query.shape[0], -1, head_size)
+    k = key.view(key.shape[0], -1, head_size)
+    half = head_size // 2
+    _rope_kernel[(q.shape[0],)](
+        q, k, positions, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        q.shape[1], k.shape[1],
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+    )  # fmt: skip

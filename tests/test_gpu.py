@@ -1,0 +1,61 @@
+"""Checks that only make sense on a GPU (MINISGL_TEST_DEVICE=cuda): bf16 fast paths against the
+bf16 reference path, and the dummy-weight Qwen3-0.6B shape the benchmarks use."""
+
+import random
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+
+from .conftest import DEVICE, QWEN3_TOKENIZER, hf_model
+
+pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="needs MINISGL_TEST_DEVICE=cuda")
+
+# bf16 keeps 8 bits of mantissa: logits of size ~10 move by ~0.05 between two correct kernels,
+# so a first difference is a near-tie when the fp32 reference's top-2 gap is below that scale
+BF16_NEAR_TIE = 0.25
+
+
+def test_bf16_fast_paths_agree_with_the_bf16_reference(checkpoint) -> None:
+    path = checkpoint("qwen3", max_position_embeddings=1024)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 300))] for _ in range(24)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(
+        str(path), dtype="bfloat16", attention_backend="torch", cuda_graph_max_bs=0, overlap=False
+    )
+    fast = LLM(str(path), dtype="bfloat16")  # triton attention, CUDA graphs, overlap
+    want = [o["token_ids"] for o in plain.generate(prompts, sp, use_tqdm=False)]
+    got = [o["token_ids"] for o in fast.generate(prompts, sp, use_tqdm=False)]
+    hf = hf_model(path)
+    same = 0
+    for prompt, a, b in zip(prompts, got, want, strict=True):
+        if a == b:
+            same += 1
+            continue
+        i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + b[:i]], device=hf.device)).logits[0, -1]
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) < BF16_NEAR_TIE, f"token {i}: {a[i]} vs {b[i]}"
+    assert same >= len(prompts) // 2
+
+
+def test_dummy_weights_in_the_qwen3_06b_shape_generate() -> None:
+    llm = LLM(str(QWEN3_TOKENIZER), dummy_weights=True, max_running_requests=8)
+    assert llm.engine.dtype == torch.bfloat16 and llm.engine.graph_runner is not None
+    mc = llm.engine.model_config
+    assert (mc.num_layers, mc.hidden_size, mc.num_qo_heads, mc.num_kv_heads, mc.head_dim) == (
+        28,
+        1024,
+        16,
+        8,
+        128,
+    )
+    outs = llm.generate(
+        [[1, 2, 3]] * 4, SamplingParams(max_tokens=16, ignore_eos=True, seed=0), use_tqdm=False
+    )
+    assert all(len(o["token_ids"]) == 16 for o in outs)
+    # same seed, same prompt: the same tokens in one batch
+    assert len({tuple(o["token_ids"]) for o in outs}) == 1

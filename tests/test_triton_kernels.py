@@ -1,0 +1,271 @@
+"""Triton kernels and the triton attention backend against the PyTorch reference.
+
+On CPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), at small sizes, in fp32
+and fp16 (the interpreter's tl.dot is wrong for bf16 inputs); on CUDA in fp32, fp16 and bf16.
+"""
+
+import pytest
+import torch
+
+from minisgl import kernel
+from minisgl.attention import AttentionBackend, build_metadata, create_attention_backend
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.kernel import torch_ops
+from minisgl.kernel import triton as triton_ops
+from minisgl.kvcache import KVPool
+from minisgl.llm import LLM
+
+from .conftest import DEVICE
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# (atol, rtol) per dtype: attention accumulates in fp32 but rounds p to the input dtype for P @ V
+ATTENTION_TOL = {
+    torch.float32: (2e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+# elementwise kernels reproduce the reference's roundings: at most one ulp apart
+ELEMENTWISE_TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (8e-3, 8e-3),
+}
+HEAD_DIM = 32
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float]) -> None:
+    atol, rtol = tol
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+class PagedKV:
+    """A one-layer pool filled with random K/V and a page table whose pages are scattered at random;
+    request i lives in page-table row slots[i] (not i) so the slot indirection is exercised."""
+
+    def __init__(self, seq_lens: list[int], page_size: int, kv_heads: int, dtype: torch.dtype):
+        pages_per_req = [-(-n // page_size) for n in seq_lens]
+        num_pages = sum(pages_per_req) + 3  # a few unused pages
+        self.pool = KVPool(1, num_pages, page_size, kv_heads, HEAD_DIM, dtype, torch.device(DEVICE))
+        self.pool.k_cache(0).copy_(randn(*self.pool.k_cache(0).shape, dtype=dtype))
+        self.pool.v_cache(0).copy_(randn(*self.pool.v_cache(0).shape, dtype=dtype))
+        width = max(pages_per_req) * page_size
+        rows = len(seq_lens) + 1  # the last row is the padding request's, as in the engine
+        self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=DEVICE)
+        self.page_table[-1] = self.pool.dummy_loc
+        self.dummy_slot = rows - 1
+        self.slots = torch.randperm(len(seq_lens)).tolist()
+        pages = torch.randperm(num_pages).tolist()
+        offsets = torch.arange(width) % page_size
+        for slot, n in zip(self.slots, pages_per_req, strict=True):
+            req_pages = torch.tensor([pages.pop() for _ in range(n)])
+            locs = req_pages.repeat_interleave(page_size) * page_size + offsets[: n * page_size]
+            self.page_table[slot, : n * page_size] = locs.int().to(DEVICE)
+
+    def batch(self, prefix_lens: list[int], extend_lens: list[int]) -> Batch:
+        """The batch computing tokens [prefix, prefix + extend) of each request."""
+        reqs = [Req(i, [0], SamplingParams(), seed=0, slot=s) for i, s in enumerate(self.slots)]
+        slots = torch.tensor(self.slots, device=DEVICE)
+        token_slots = slots.repeat_interleave(torch.tensor(extend_lens, device=DEVICE))
+        positions = torch.cat(
+            [
+                torch.arange(p, p + e, device=DEVICE)
+                for p, e in zip(prefix_lens, extend_lens, strict=True)
+            ]
+        )
+        return Batch(
+            reqs=reqs,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            sample_rows=[],
+            input_ids=torch.zeros_like(positions),
+            positions=positions.int(),
+            out_loc=self.page_table[token_slots, positions],
+            slots=slots.int(),
+            is_decode=all(e == 1 for e in extend_lens),
+        )
+
+    def backend(self, name: str) -> AttentionBackend:
+        return create_attention_backend(name, self.pool, self.page_table)
+
+
+def attend(backend: AttentionBackend, batch: Batch, qkv: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    backend.prepare(batch)
+    return backend.forward(*qkv, 0, batch)
+
+
+def new_qkv(batch: Batch, qo_heads: int, kv_heads: int, dtype: torch.dtype):
+    tokens = batch.num_tokens
+    return (
+        randn(tokens, qo_heads, HEAD_DIM, dtype=dtype),
+        randn(tokens, kv_heads, HEAD_DIM, dtype=dtype),
+        randn(tokens, kv_heads, HEAD_DIM, dtype=dtype),
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extend_attention_matches_reference_over_prefix_and_new_tokens(page_size, dtype):
+    torch.manual_seed(0)
+    # ragged: a prompt longer than one q block, a 1-token chunk after a prefix, mid-page prefixes
+    prefix_lens, extend_lens = [0, 37, 5, 100], [70, 1, 20, 3]
+    kv = PagedKV(
+        [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)], page_size, 2, dtype
+    )
+    batch = kv.batch(prefix_lens, extend_lens)
+    qkv = new_qkv(batch, 4, 2, dtype)
+    want = attend(kv.backend("torch"), batch, qkv)
+    got = attend(kv.backend("triton"), kv.batch(prefix_lens, extend_lens), qkv)
+    assert_close(got, want, ATTENTION_TOL[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_matches_reference_for_any_split_count(num_splits, page_size, dtype):
+    torch.manual_seed(0)
+    seq_lens = [1, 70, 300, 17, 129]  # 300 with 8 splits: 5 splits of keys, 3 empty ones
+    kv = PagedKV(seq_lens, page_size, 2, dtype)  # group of 3: the head block is padded to 16
+    batch = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
+    q, k, v = new_qkv(batch, 6, 2, dtype)
+    want = attend(kv.backend("torch"), batch, (q, k, v))
+    meta = batch.attn_metadata
+    got = triton_ops.decode_attention(
+        q,
+        kv.pool.k_cache(0),
+        kv.pool.v_cache(0),
+        kv.page_table,
+        meta.slots,
+        meta.seq_lens,
+        num_splits,
+    )
+    assert_close(got, want, ATTENTION_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_runs_on_graph_static_metadata_with_padding_rows(dtype):
+    """The CUDA-graph runner hands the backend a plain AttnMetadata (no prepare), an upper-bound
+    max_seq_len and padding rows that point at the dummy slot."""
+    torch.manual_seed(0)
+    seq_lens = [40, 1, 90]
+    kv = PagedKV(seq_lens, 16, 2, dtype)
+    batch = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
+    q, k, v = new_qkv(batch, 4, 2, dtype)
+    want = attend(kv.backend("torch"), batch, (q, k, v))
+
+    padding = 2
+    padded = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
+    padded.out_loc = torch.cat(
+        [padded.out_loc, padded.out_loc.new_full((padding,), kv.pool.dummy_loc)]
+    )
+    meta = build_metadata(padded, kv.slots, torch.device(DEVICE))
+    meta.slots = torch.cat([meta.slots, meta.slots.new_full((padding,), kv.dummy_slot)])
+    meta.seq_lens = torch.cat([meta.seq_lens, meta.seq_lens.new_ones(padding)])
+    meta.max_seq_len = kv.page_table.shape[1]
+    padded.attn_metadata = meta
+    pad = lambda x: torch.cat([x, torch.zeros_like(x[:padding])])
+    got = kv.backend("triton").forward(pad(q), pad(k), pad(v), 0, padded)
+    assert_close(got[: len(seq_lens)], want, ATTENTION_TOL[dtype])
+
+
+def test_decode_splits_shrink_as_the_batch_grows():
+    device = torch.device(DEVICE)
+    splits = [triton_ops.decode_num_splits(bs, 8, device) for bs in (1, 16, 64, 256, 1024)]
+    assert splits == sorted(splits, reverse=True) and splits[-1] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_k_and_v_rows_at_out_loc(dtype):
+    torch.manual_seed(0)
+    want_k, want_v = randn(50, 2, HEAD_DIM, dtype=dtype), randn(50, 2, HEAD_DIM, dtype=dtype)
+    k_cache, v_cache = want_k.clone(), want_v.clone()
+    out_loc = torch.randperm(50, device=DEVICE)[:7].int()
+    k, v = randn(7, 2 * HEAD_DIM, dtype=dtype), randn(7, 2, HEAD_DIM, dtype=dtype)
+    torch_ops.store_kv(want_k, want_v, out_loc, k, v)
+    triton_ops.store_kv(k_cache, v_cache, out_loc, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_matches_reference_out_of_place_and_in_place(dtype):
+    torch.manual_seed(0)
+    x, weight = randn(5, 3, 48, dtype=dtype), randn(48, dtype=dtype)  # 48: a masked block of 64
+    want = torch_ops.rmsnorm(x, weight, 1e-5)
+    assert_close(triton_ops.rmsnorm(x, weight, 1e-5), want, ELEMENTWISE_TOL[dtype])
+    assert triton_ops.rmsnorm(x, weight, 1e-5, out=x) is x
+    assert_close(x, want, ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rmsnorm_updates_residual_and_x_in_place(dtype):
+    torch.manual_seed(0)
+    x, residual, weight = (
+        randn(6, 48, dtype=dtype),
+        randn(6, 48, dtype=dtype),
+        randn(48, dtype=dtype),
+    )
+    want_x, want_residual = x.clone(), residual.clone()
+    torch_ops.fused_add_rmsnorm(want_x, want_residual, weight, 1e-5)
+    triton_ops.fused_add_rmsnorm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, want_residual)  # the add rounds exactly like add_
+    assert_close(x, want_x, ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["T,H*D", "T,H,D"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_query_and_key_in_place_like_reference(dtype, flat):
+    torch.manual_seed(0)
+    tokens, qo_heads, kv_heads = 5, 6, 2
+    freqs = torch.outer(torch.arange(64.0), torch.rand(HEAD_DIM // 2)).to(DEVICE)
+    cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    positions = torch.tensor([0, 63, 7, 7, 30], device=DEVICE)
+    shape = lambda heads: (tokens, heads * HEAD_DIM) if flat else (tokens, heads, HEAD_DIM)
+    q, k = randn(*shape(qo_heads), dtype=dtype), randn(*shape(kv_heads), dtype=dtype)
+    want_q, want_k = q.clone(), k.clone()
+    torch_ops.apply_rope_inplace(positions, want_q, want_k, HEAD_DIM, cos_sin_cache)
+    triton_ops.apply_rope_inplace(positions.int(), q, k, HEAD_DIM, cos_sin_cache)
+    assert_close(q, want_q, ELEMENTWISE_TOL[dtype])
+    assert_close(k, want_k, ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype):
+    torch.manual_seed(0)
+    x = randn(2, 3, 2 * 1100, dtype=dtype)  # 1100: more than one column block per row
+    assert_close(triton_ops.silu_and_mul(x), torch_ops.silu_and_mul(x), ELEMENTWISE_TOL[dtype])
+
+
+def test_dispatch_takes_triton_only_for_cuda_half_tensors():
+    assert kernel._ops_for(torch.zeros(1, dtype=torch.float16)) is torch_ops
+    if DEVICE == "cuda":
+        assert kernel._ops_for(torch.zeros(1, device="cuda")) is torch_ops
+        assert kernel._ops_for(torch.zeros(1, dtype=torch.bfloat16, device="cuda")) is triton_ops
+
+
+def test_llm_with_triton_backend_generates_the_torch_backend_tokens(checkpoint):
+    """fp32 end to end: chunked prefill (prefix + extend), prefix-cache hits, paged decode with
+    the graph runner's static batches (its CPU twin on CPU)."""
+    path = checkpoint("qwen3")
+    prompts = [[(7 * i + 3) % 500 for i in range(n)] for n in (70, 9, 1)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(path),
+            device=DEVICE,
+            dtype="float32",
+            attention_backend=backend,
+            page_size=4,
+            max_kv_tokens=512,
+            max_running_requests=4,
+            chunk_size=32,
+            cuda_graph_max_bs=4,
+        )
+        first = llm.generate(prompts, params, use_tqdm=False)
+        again = llm.generate([prompts[0] + [11, 12]], params, use_tqdm=False)  # reuses the prefix
+        tokens[backend] = [r["token_ids"] for r in first + again]
+        assert again[0]["cached_tokens"] > 0
+    assert tokens["triton"] == tokens["torch"]
