@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call (the device machine is lent by the minute).
+# Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
+#
+#   benchmark/gpu_suite.sh PART...    PART: kernels latency bench bench-hf profile ablations tests
+#
+# Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
+set -uo pipefail
+OUT=${OUT:-/tmp/minisgl-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/.site:${PYTHONPATH:-}"
+if [ -d .whl ] && [ ! -d .site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$OUT/summary.log"
+git log -1 --format='commit %H %s' 2>/dev/null | tee -a "$OUT/summary.log"
+
+step() {  # step NAME TIMEOUT CMD...: run, keep the log, put the table's tail in summary.log
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*" | tee -a "$OUT/summary.log"
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log" >>"$OUT/summary.log"
+  echo "=== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.log"
+}
+
+for part in "$@"; do
+  case $part in
+    kernels) step kernels 240 python3 benchmark/kernel/bench_attention.py ;;
+    latency) step latency 240 python3 benchmark/offline/latency.py --json "$OUT/latency.json" ;;
+    bench) step bench 300 python3 benchmark/offline/bench.py --skip-hf --json "$OUT/bench.json" ;;
+    bench-hf) step bench_hf 540 python3 benchmark/offline/bench.py --json "$OUT/bench_hf.json" ;;
+    profile) step profile 300 python3 benchmark/offline/bench.py --skip-hf --profile --json "$OUT/profile.json" ;;
+    ablations)
+      step no_graph 240 python3 benchmark/offline/bench.py --skip-hf --no-cuda-graph
+      step no_overlap 240 python3 benchmark/offline/bench.py --skip-hf --no-overlap ;;
+    tests) MINISGL_TEST_DEVICE=cuda step tests 480 python3 -m pytest -q -x -p no:cacheprovider tests ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
