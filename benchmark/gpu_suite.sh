@@ -2,7 +2,8 @@
 # Everything that needs the GPU, in one call (the device machine is lent by the minute).
 # Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
 #
-#   benchmark/gpu_suite.sh PART...    PART: kernels latency bench bench-hf profile ablations tests
+#   benchmark/gpu_suite.sh PART...
+#   PART: kernels latency bench bench-hf profile latency-profile cprofile ablations tests
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
 set -uo pipefail
@@ -33,6 +34,10 @@ for part in "$@"; do
     bench) step bench 300 python3 benchmark/offline/bench.py --skip-hf --json "$OUT/bench.json" ;;
     bench-hf) step bench_hf 540 python3 benchmark/offline/bench.py --json "$OUT/bench_hf.json" ;;
     profile) step profile 300 python3 benchmark/offline/bench.py --skip-hf --profile --json "$OUT/profile.json" ;;
+    cprofile) step cprofile 300 python3 -m cProfile -o "$OUT/bench.prof" benchmark/offline/bench.py --skip-hf ;;
+    latency-profile)
+      step latency_profile 240 python3 benchmark/offline/bench.py --skip-hf --profile --num-requests 1 \
+        --min-len 256 --max-len 512 --json "$OUT/latency_profile.json" ;;
     ablations)
       step no_graph 240 python3 benchmark/offline/bench.py --skip-hf --no-cuda-graph
       step no_overlap 240 python3 benchmark/offline/bench.py --skip-hf --no-overlap ;;

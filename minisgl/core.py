@@ -12,12 +12,15 @@ Names used the same way everywhere:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+from minisgl.utils import pack_to_device
 
 if TYPE_CHECKING:
     from minisgl.attention import AttentionBackend
@@ -126,32 +129,81 @@ class Batch:
     """The requests of one forward step and the device tensors that describe it.
 
     Host lists are snapshots taken when the step was scheduled (the requests move on afterwards):
-    request i computes tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]).
+    request i computes tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]), which are rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1] of the step's token dimension.
     """
 
     reqs: list[Req]
     prefix_lens: list[int]
     extend_lens: list[int]
     sample_rows: list[int]  # rows whose sampled token is kept (a mid-prompt chunk samples nothing)
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    out_loc: torch.Tensor  # [num_tokens]
-    slots: torch.Tensor  # [size], on the device
+    # per token, on the device
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_loc: torch.Tensor
+    # per request, on the device (int32)
+    slots: torch.Tensor  # page-table row
+    seq_lens: torch.Tensor  # KV length after this step
+    cu_seqlens_q: torch.Tensor  # [size + 1]
+    last_indices: torch.Tensor  # row of each request's last new token
     is_decode: bool
     all_logits: bool = False  # logits for every token instead of each request's last
-    attn_metadata: Any = None  # built by the attention backend, once per batch
+    attn_metadata: Any = None  # whatever else the attention backend needs, built once per batch
 
     @property
     def size(self) -> int:
         return len(self.reqs)
 
     @property
-    def seq_lens(self) -> list[int]:
-        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
-
-    @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def build_batch(
+    reqs: list[Req],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    page_table: torch.Tensor,
+    token_table: torch.Tensor,
+    sample_rows: list[int] | None = None,
+    **extra: list[int],
+) -> tuple[Batch, dict[str, torch.Tensor]]:
+    """The batch computing tokens [prefix, prefix + extend) of each request (in its `slot` row),
+    built with one host-to-device transfer; `extra` per-request columns ride along (returned)."""
+    slots = [req.slot for req in reqs]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    cu_seqlens = list(itertools.accumulate(extend_lens, initial=0))
+    is_decode = cu_seqlens[-1] == len(reqs)
+    if is_decode:
+        token_slots, positions = slots, prefix_lens
+    else:
+        token_slots = [s for s, n in zip(slots, extend_lens, strict=True) for _ in range(n)]
+        positions = [p for s, e in zip(prefix_lens, seq_lens, strict=True) for p in range(s, e)]
+    t = pack_to_device(
+        page_table.device,
+        torch.int32,
+        token_slots=token_slots,
+        positions=positions,
+        slots=slots,
+        seq_lens=seq_lens,
+        cu_seqlens_q=cu_seqlens,
+        **extra,
+    )
+    batch = Batch(
+        reqs=reqs,
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        sample_rows=list(range(len(reqs))) if sample_rows is None else sample_rows,
+        input_ids=token_table[t["token_slots"], t["positions"]],
+        positions=t["positions"],
+        out_loc=page_table[t["token_slots"], t["positions"]],
+        slots=t["slots"],
+        seq_lens=t["seq_lens"],
+        cu_seqlens_q=t["cu_seqlens_q"],
+        last_indices=t["cu_seqlens_q"][1:] - 1,
+        is_decode=is_decode,
+    )
+    return batch, {name: t[name] for name in extra}
 
 
 @dataclass

@@ -114,7 +114,6 @@ class LLM:
 
     @staticmethod
     def _apply(result: dict[str, Any], detok: IncrementalDetokenizer, out: ReqOutput) -> None:
-        finished = out.finish_reason is not None
         if out.token_id is not None:
             result["token_ids"].append(out.token_id)
         if out.logprob is not None:
@@ -126,8 +125,10 @@ class LLM:
                     "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in top],
                 }
             )
-        result["text"] += detok.step(out.token_id, finished, isinstance(out.matched_stop, int))
-        if finished:
+        if out.finish_reason is not None:
+            # offline, the text is decoded once at the end (the same detokenizer as streaming)
+            stop_token = isinstance(out.matched_stop, int)
+            result["text"] = detok.step(result["token_ids"], finished=True, stop_token=stop_token)
             result.update(
                 finish_reason=out.finish_reason,
                 prompt_tokens=out.prompt_tokens,

@@ -43,7 +43,7 @@ def test_bf16_fast_paths_agree_with_the_bf16_reference(checkpoint) -> None:
 
 
 def test_dummy_weights_in_the_qwen3_06b_shape_generate() -> None:
-    llm = LLM(str(QWEN3_TOKENIZER), dummy_weights=True, max_running_requests=8)
+    llm = LLM(str(QWEN3_TOKENIZER), dummy_weights=True, max_running_requests=8, max_kv_tokens=4096)
     assert llm.engine.dtype == torch.bfloat16 and llm.engine.graph_runner is not None
     mc = llm.engine.model_config
     assert (mc.num_layers, mc.hidden_size, mc.num_qo_heads, mc.num_kv_heads, mc.head_dim) == (

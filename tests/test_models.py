@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import Batch, Req
+from minisgl.core import Req, build_batch
 from minisgl.engine import Engine, EngineConfig
 from minisgl.kvcache import KVCacheManager
 from minisgl.utils import DEFAULT_MODEL_PATH
@@ -48,15 +48,10 @@ def prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     kv.admit(0, [])
     assert kv.reserve(0, len(ids))
     kv.flush()
-    device = engine.device
+    tokens = torch.tensor([ids], dtype=torch.int32, device=engine.device)
     req = Req(rid=0, prompt_ids=ids, params=SamplingParams(), seed=0, slot=0)
-    batch = Batch(
-        reqs=[req], prefix_lens=[0], extend_lens=[len(ids)], sample_rows=[0],
-        input_ids=torch.tensor(ids, dtype=torch.int32, device=device),
-        positions=torch.arange(len(ids), dtype=torch.int32, device=device),
-        out_loc=engine.page_table[0, : len(ids)], slots=torch.zeros(1, dtype=torch.int32, device=device),
-        is_decode=False, all_logits=True,
-    )  # fmt: skip
+    batch, _ = build_batch([req], [0], [len(ids)], engine.page_table, tokens)
+    batch.all_logits = True
     return engine.forward_logits(batch).float().cpu()
 
 

@@ -5,6 +5,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.engine import Sampler, SamplingArgs
+from minisgl.engine.sampler import hash_uniform
 
 from .conftest import DEVICE, hf_model
 
@@ -20,8 +21,7 @@ def sample_many(probs: torch.Tensor, **params: float) -> torch.Tensor:
         top_k=torch.full((rows,), int(params.get("top_k", len(probs))), dtype=torch.int64),
         top_p=torch.full((rows,), float(params.get("top_p", 1.0))),
         min_p=torch.full((rows,), float(params.get("min_p", 0.0))),
-        seeds=torch.arange(rows, dtype=torch.int64) * 7919,
-        positions=torch.full((rows,), 3, dtype=torch.int64),
+        uniforms=hash_uniform(torch.arange(rows) * 7919, torch.full((rows,), 3)).float(),
         greedy=torch.zeros(rows, dtype=torch.bool),
         all_greedy=False,
         use_top_k_top_p="top_k" in params or "top_p" in params,
@@ -53,8 +53,6 @@ def test_filtered_distribution_is_sampled_faithfully(params: dict, expected: lis
 
 
 def test_hash_uniform_is_uniform() -> None:
-    from minisgl.engine.sampler import hash_uniform
-
     u = hash_uniform(
         torch.arange(100000, dtype=torch.int64), torch.zeros(100000, dtype=torch.int64)
     )

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minisgl import kernel
-from minisgl.attention import AttentionBackend, build_metadata, create_attention_backend
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.attention import AttentionBackend, create_attention_backend
+from minisgl.core import Batch, Req, SamplingParams, build_batch
 from minisgl.kernel import torch_ops
 from minisgl.kernel import triton as triton_ops
 from minisgl.kvcache import KVPool
@@ -65,28 +65,14 @@ class PagedKV:
             locs = req_pages.repeat_interleave(page_size) * page_size + offsets[: n * page_size]
             self.page_table[slot, : n * page_size] = locs.int().to(DEVICE)
 
-    def batch(self, prefix_lens: list[int], extend_lens: list[int]) -> Batch:
-        """The batch computing tokens [prefix, prefix + extend) of each request."""
-        reqs = [Req(i, [0], SamplingParams(), seed=0, slot=s) for i, s in enumerate(self.slots)]
-        slots = torch.tensor(self.slots, device=DEVICE)
-        token_slots = slots.repeat_interleave(torch.tensor(extend_lens, device=DEVICE))
-        positions = torch.cat(
-            [
-                torch.arange(p, p + e, device=DEVICE)
-                for p, e in zip(prefix_lens, extend_lens, strict=True)
-            ]
-        )
-        return Batch(
-            reqs=reqs,
-            prefix_lens=prefix_lens,
-            extend_lens=extend_lens,
-            sample_rows=[],
-            input_ids=torch.zeros_like(positions),
-            positions=positions.int(),
-            out_loc=self.page_table[token_slots, positions],
-            slots=slots.int(),
-            is_decode=all(e == 1 for e in extend_lens),
-        )
+    def batch(self, prefix_lens: list[int], extend_lens: list[int], padding: int = 0) -> Batch:
+        """The batch computing tokens [prefix, prefix + extend) of each request, plus `padding`
+        rows shaped like the CUDA-graph runner's (dummy slot, one token at position 0)."""
+        slots = self.slots + [self.dummy_slot] * padding
+        reqs = [Req(i, [0], SamplingParams(), seed=0, slot=s) for i, s in enumerate(slots)]
+        prefix_lens, extend_lens = prefix_lens + [0] * padding, extend_lens + [1] * padding
+        tokens = torch.zeros_like(self.page_table)
+        return build_batch(reqs, prefix_lens, extend_lens, self.page_table, tokens)[0]
 
     def backend(self, name: str) -> AttentionBackend:
         return create_attention_backend(name, self.pool, self.page_table)
@@ -132,14 +118,13 @@ def test_decode_attention_matches_reference_for_any_split_count(num_splits, page
     batch = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
     q, k, v = new_qkv(batch, 6, 2, dtype)
     want = attend(kv.backend("torch"), batch, (q, k, v))
-    meta = batch.attn_metadata
     got = triton_ops.decode_attention(
         q,
         kv.pool.k_cache(0),
         kv.pool.v_cache(0),
         kv.page_table,
-        meta.slots,
-        meta.seq_lens,
+        batch.slots,
+        batch.seq_lens,
         num_splits,
     )
     assert_close(got, want, ATTENTION_TOL[dtype])
@@ -147,8 +132,8 @@ def test_decode_attention_matches_reference_for_any_split_count(num_splits, page
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_runs_on_graph_static_metadata_with_padding_rows(dtype):
-    """The CUDA-graph runner hands the backend a plain AttnMetadata (no prepare), an upper-bound
-    max_seq_len and padding rows that point at the dummy slot."""
+    """The CUDA-graph runner replays without prepare(), with padding rows that point at the dummy
+    slot: decode must need nothing beyond the Batch's own tensors."""
     torch.manual_seed(0)
     seq_lens = [40, 1, 90]
     kv = PagedKV(seq_lens, 16, 2, dtype)
@@ -157,15 +142,7 @@ def test_decode_runs_on_graph_static_metadata_with_padding_rows(dtype):
     want = attend(kv.backend("torch"), batch, (q, k, v))
 
     padding = 2
-    padded = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
-    padded.out_loc = torch.cat(
-        [padded.out_loc, padded.out_loc.new_full((padding,), kv.pool.dummy_loc)]
-    )
-    meta = build_metadata(padded, kv.slots, torch.device(DEVICE))
-    meta.slots = torch.cat([meta.slots, meta.slots.new_full((padding,), kv.dummy_slot)])
-    meta.seq_lens = torch.cat([meta.seq_lens, meta.seq_lens.new_ones(padding)])
-    meta.max_seq_len = kv.page_table.shape[1]
-    padded.attn_metadata = meta
+    padded = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens), padding)
     pad = lambda x: torch.cat([x, torch.zeros_like(x[:padding])])
     got = kv.backend("triton").forward(pad(q), pad(k), pad(v), 0, padded)
     assert_close(got[: len(seq_lens)], want, ATTENTION_TOL[dtype])
@@ -197,6 +174,30 @@ def test_rmsnorm_matches_reference_out_of_place_and_in_place(dtype):
     assert_close(triton_ops.rmsnorm(x, weight, 1e-5), want, ELEMENTWISE_TOL[dtype])
     assert triton_ops.rmsnorm(x, weight, 1e-5, out=x) is x
     assert_close(x, want, ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_qk_norm_and_rope_work_in_place_on_strided_views_of_qkv(dtype):
+    """The attention layer normalises and rotates q and k where they sit in the merged qkv, in
+    one kernel; the reference is the two separate steps."""
+    torch.manual_seed(0)
+    tokens, q_heads, kv_heads, d = 5, 4, 2, 32
+    qkv = randn(tokens, (q_heads + 2 * kv_heads) * d, dtype=dtype)
+    q_weight, k_weight = randn(d, dtype=dtype), randn(d, dtype=dtype)
+    cos_sin = torch.randn(64, d, device=DEVICE)
+    positions = torch.tensor([0, 3, 9, 63, 1], dtype=torch.int32, device=DEVICE)
+    split = [q_heads * d, kv_heads * d, kv_heads * d]
+    want = qkv.clone()
+    q, k, _ = want.split(split, dim=-1)
+    torch_ops.rmsnorm(q.view(tokens, q_heads, d), q_weight, 1e-6, out=q.view(tokens, q_heads, d))
+    torch_ops.rmsnorm(k.view(tokens, kv_heads, d), k_weight, 1e-6, out=k.view(tokens, kv_heads, d))
+    torch_ops.apply_rope_inplace(positions, q, k, d, cos_sin)
+    for ops in (torch_ops, triton_ops):
+        got = qkv.clone()
+        q, k, _ = got.split(split, dim=-1)
+        ops.apply_rope_inplace(positions, q, k, d, cos_sin, (q_weight, k_weight, 1e-6))
+        assert_close(got, want, ELEMENTWISE_TOL[dtype])
+        assert torch.equal(got[:, -kv_heads * d :], qkv[:, -kv_heads * d :])  # v untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -236,6 +237,37 @@ def test_silu_and_mul_matches_reference(dtype):
     torch.manual_seed(0)
     x = randn(2, 3, 2 * 1100, dtype=dtype)  # 1100: more than one column block per row
     assert_close(triton_ops.silu_and_mul(x), torch_ops.silu_and_mul(x), ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sampling_kernel_picks_the_reference_tokens(dtype):
+    """Same uniform numbers, same tokens as softmax + cumsum + searchsorted, over a vocabulary
+    that spans several blocks (not a multiple of the block)."""
+    torch.manual_seed(0)
+    rows, vocab = 64, 5000
+    logits = (3 * randn(rows, vocab, dtype=torch.float32)).to(dtype)
+    temperatures = torch.rand(rows, device=DEVICE) + 0.3
+    uniforms = torch.rand(rows, device=DEVICE).clamp(1e-3, 1 - 1e-3)
+    want = torch_ops.sample_temperature(logits, temperatures, uniforms)
+    got = triton_ops.sample_temperature(logits, temperatures, uniforms)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_matches_linear_for_small_batches(rows, dtype):
+    torch.manual_seed(0)
+    x, weight, bias = (
+        randn(rows, 700, dtype=dtype),
+        randn(300, 700, dtype=dtype),
+        randn(300, dtype=dtype),
+    )
+    for b in (None, bias):
+        want = torch.nn.functional.linear(
+            x.float(), weight.float(), None if b is None else b.float()
+        )
+        # fp32 sums of 700 products: the order differs from the reference, hence a looser atol
+        assert_close(triton_ops.linear(x, weight, b), want, (5e-3, ATTENTION_TOL[dtype][1]))
 
 
 def test_dispatch_takes_triton_only_for_cuda_half_tensors():

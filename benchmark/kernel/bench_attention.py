@@ -1,61 +1,63 @@
 """Triton paged attention on the Qwen3-0.6B attention shape: checked against the torch backend, then
-timed. Decode is bound by reading K/V, so it is reported as GB/s of K+V read next to the device's
-copy bandwidth; extend (a quarter of each context new, after a cached prefix) as TFLOP/s.
+timed inside a CUDA graph (so launch gaps stay out). Decode is bound by reading K/V, so it is
+reported as GB/s of K+V read next to the device's copy bandwidth; extend (a quarter of each context
+new, after a cached prefix) as TFLOP/s. The ragged rows use the offline benchmark's mix of contexts
+(100-2048 tokens) and sweep the split count, since uneven requests leave SMs idle at the tail.
 
     python benchmark/kernel/bench_attention.py                    # bf16, page size 1 (H200)
     python benchmark/kernel/bench_attention.py --dtype float16 --page-size 16
-
-Small cases (bs 1, context 512: 2 MB of K/V) are bound by launch latency, not bandwidth.
 """
 
 import argparse
+import random
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench_cudagraph
 
 from minisgl.attention import AttentionBackend, create_attention_backend
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import Batch, Req, SamplingParams, build_batch
 from minisgl.kernel.triton import decode_attention, decode_num_splits, extend_attention
 from minisgl.kvcache import KVPool
 
 QO_HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
 BATCH_SIZES = (1, 16, 64, 256)
 CONTEXTS = (512, 2048)
+RAGGED_SPLITS = (1, 2, 4, 8)
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 class Setup:
-    """A one-layer pool holding `bs` requests of `ctx` tokens each, their pages in random order."""
+    """A one-layer pool holding one request per context length, their pages in random order."""
 
-    def __init__(self, bs: int, ctx: int, page_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, ctx_lens: list[int], page_size: int, dtype: torch.dtype) -> None:
         device = torch.device("cuda")
-        pages_per_req = -(-ctx // page_size)
-        self.pool = KVPool(1, bs * pages_per_req, page_size, KV_HEADS, HEAD_DIM, dtype, device)
+        pages_per_req = [-(-n // page_size) for n in ctx_lens]
+        num_pages = sum(pages_per_req)
+        self.pool = KVPool(1, num_pages, page_size, KV_HEADS, HEAD_DIM, dtype, device)
         for cache in (self.pool.k_cache(0), self.pool.v_cache(0)):
             cache.normal_()
-        pages = torch.randperm(bs * pages_per_req, device=device).view(bs, pages_per_req)
-        offsets = torch.arange(pages_per_req * page_size, device=device) % page_size
-        locs = pages.repeat_interleave(page_size, dim=1) * page_size + offsets
-        self.page_table = locs.int()
-        self.bs, self.ctx = bs, ctx
+        width = max(pages_per_req) * page_size
+        self.page_table = torch.zeros((len(ctx_lens), width), dtype=torch.int32, device=device)
+        pages = torch.randperm(num_pages, device=device).split(pages_per_req)
+        offsets = torch.arange(width, device=device) % page_size
+        for row, req_pages in enumerate(pages):
+            locs = (
+                req_pages.repeat_interleave(page_size) * page_size
+                + offsets[: len(req_pages) * page_size]
+            )
+            self.page_table[row, : locs.numel()] = locs.int()
+        self.ctx_lens = ctx_lens
+
+    @property
+    def bs(self) -> int:
+        return len(self.ctx_lens)
 
     def batch(self, extend_len: int) -> Batch:
         """Every request computes its last `extend_len` tokens."""
-        device = self.page_table.device
         reqs = [Req(i, [0], SamplingParams(), seed=0, slot=i) for i in range(self.bs)]
-        positions = torch.arange(self.ctx - extend_len, self.ctx, device=device).repeat(self.bs)
-        slots = torch.arange(self.bs, device=device).repeat_interleave(extend_len)
-        return Batch(
-            reqs=reqs,
-            prefix_lens=[self.ctx - extend_len] * self.bs,
-            extend_lens=[extend_len] * self.bs,
-            sample_rows=[],
-            input_ids=torch.zeros_like(positions),
-            positions=positions.int(),
-            out_loc=self.page_table[slots, positions],
-            slots=torch.arange(self.bs, dtype=torch.int32, device=device),
-            is_decode=extend_len == 1,
-        )
+        prefix_lens = [n - extend_len for n in self.ctx_lens]
+        tokens = torch.zeros_like(self.page_table)
+        return build_batch(reqs, prefix_lens, [extend_len] * self.bs, self.page_table, tokens)[0]
 
     def backend(self, name: str) -> AttentionBackend:
         return create_attention_backend(name, self.pool, self.page_table)
@@ -65,7 +67,7 @@ def copy_bandwidth() -> float:
     """Bytes read + written per second by a 1 GiB device copy, timed like the kernels."""
     src = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / (do_bench(lambda: dst.copy_(src)) * 1e-3)
+    return 2 * src.numel() / (do_bench_cudagraph(lambda: dst.copy_(src)) * 1e-3)
 
 
 def check_against_torch(setup: Setup, batch: Batch, q: torch.Tensor) -> None:
@@ -77,38 +79,54 @@ def check_against_torch(setup: Setup, batch: Batch, q: torch.Tensor) -> None:
         backend.prepare(batch)
         outputs.append(backend.forward(q, k, v, 0, batch).float())
     error = (outputs[0] - outputs[1]).abs().max().item()
-    assert error < TOLERANCE[q.dtype], f"bs {setup.bs}, ctx {setup.ctx}: max error {error}"
+    assert error < TOLERANCE[q.dtype], f"bs {setup.bs}: max error {error}"
 
 
-def bench_decode(setup: Setup, dtype: torch.dtype, copy_bytes_per_s: float) -> list[str]:
+def bench_decode(
+    setup: Setup, dtype: torch.dtype, copy_bw: float, splits: int | None = None
+) -> list[str]:
     batch = setup.batch(1)
     q = torch.randn(setup.bs, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
     check_against_torch(setup, batch, q)
-    meta = batch.attn_metadata
-    splits = decode_num_splits(setup.bs, KV_HEADS, q.device)
-    args = (setup.pool.k_cache(0), setup.pool.v_cache(0), setup.page_table, meta.slots)
-    seconds = do_bench(lambda: decode_attention(q, *args, meta.seq_lens, splits)) * 1e-3
-    bytes_per_s = 2 * setup.bs * setup.ctx * KV_HEADS * HEAD_DIM * dtype.itemsize / seconds
+    splits = splits or decode_num_splits(setup.bs, KV_HEADS, q.device)
+    args = (
+        setup.pool.k_cache(0),
+        setup.pool.v_cache(0),
+        setup.page_table,
+        batch.slots,
+        batch.seq_lens,
+    )
+    seconds = do_bench_cudagraph(lambda: decode_attention(q, *args, splits)) * 1e-3
+    bytes_per_s = 2 * sum(setup.ctx_lens) * KV_HEADS * HEAD_DIM * dtype.itemsize / seconds
     return [
         str(splits),
         f"{seconds * 1e6:.1f}",
         f"{bytes_per_s / 1e9:.0f} GB/s",
-        f"{bytes_per_s / copy_bytes_per_s:.0%}",
+        f"{bytes_per_s / copy_bw:.0%}",
     ]
 
 
 def bench_extend(setup: Setup, dtype: torch.dtype) -> list[str]:
     """A quarter of each context is new, after a cached prefix."""
-    extend_len = setup.ctx // 4
+    extend_len = min(setup.ctx_lens) // 4
     batch = setup.batch(extend_len)
     q = torch.randn(batch.num_tokens, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
     check_against_torch(setup, batch, q)
+    backend = setup.backend("triton")
+    backend.prepare(batch)
     meta = batch.attn_metadata
-    args = (setup.pool.k_cache(0), setup.pool.v_cache(0), setup.page_table, meta.slots)
-    blocks = (meta.seq_lens, meta.cu_seqlens_q, meta.block_req, meta.block_start)
-    seconds = do_bench(lambda: extend_attention(q, *args, *blocks)) * 1e-3
-    prefix = setup.ctx - extend_len
-    keys_seen = setup.bs * (extend_len * prefix + extend_len * (extend_len + 1) // 2)
+    args = (
+        setup.pool.k_cache(0),
+        setup.pool.v_cache(0),
+        setup.page_table,
+        batch.slots,
+        batch.seq_lens,
+    )
+    blocks = (batch.cu_seqlens_q, meta.block_req, meta.block_start)
+    seconds = do_bench_cudagraph(lambda: extend_attention(q, *args, *blocks)) * 1e-3
+    keys_seen = sum(
+        extend_len * (n - extend_len) + extend_len * (extend_len + 1) // 2 for n in setup.ctx_lens
+    )
     flops = 4 * QO_HEADS * HEAD_DIM * keys_seen  # QK^T and PV: 2 flops per multiply-add each
     return ["-", f"{seconds * 1e6:.1f}", f"{flops / seconds / 1e12:.1f} TFLOP/s", "-"]
 
@@ -122,24 +140,21 @@ def main() -> None:
         print("bench_attention: no CUDA device, nothing to measure (the kernels need a GPU)")
         return
     dtype = getattr(torch, args.dtype)
-    copy_bytes_per_s = copy_bandwidth()
-    print(
-        f"copy bandwidth {copy_bytes_per_s / 1e9:.0f} GB/s; {args.dtype}, page size {args.page_size}"
-    )
-    header = ["kernel", "bs", "ctx", "splits", "us", "achieved", "of copy"]
-    widths = [6, 5, 6, 7, 10, 16, 8]
-    row = lambda cells: "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
-    print(row(header))
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {args.dtype}, page size {args.page_size}")
+    widths = [7, 5, 10, 7, 10, 16, 8]
+    row = lambda cells: print("".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    row(["kernel", "bs", "ctx", "splits", "us", "achieved", "of copy"])
     for bs in BATCH_SIZES:
         for ctx in CONTEXTS:
-            setup = Setup(bs, ctx, args.page_size, dtype)
-            for kernel, cells in (
-                ("decode", bench_decode(setup, dtype, copy_bytes_per_s)),
-                ("extend", bench_extend(setup, dtype)),
-            ):
-                print(row([kernel, str(bs), str(ctx), *cells]))
-            del setup
-            torch.cuda.empty_cache()
+            setup = Setup([ctx] * bs, args.page_size, dtype)
+            row(["decode", str(bs), str(ctx), *bench_decode(setup, dtype, copy_bw)])
+            row(["extend", str(bs), str(ctx), *bench_extend(setup, dtype)])
+    rng = random.Random(0)
+    for bs in (64, 256):
+        setup = Setup([rng.randint(100, 2048) for _ in range(bs)], args.page_size, dtype)
+        for splits in RAGGED_SPLITS:
+            row(["decode", str(bs), "100-2048", *bench_decode(setup, dtype, copy_bw, splits)])
 
 
 if __name__ == "__main__":

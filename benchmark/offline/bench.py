@@ -117,8 +117,9 @@ def run_minisgl(
 ) -> tuple[LLM, Row, profile | None]:
     """(engine, result row, the profiler if --profile) of the timed run."""
     llm = build_llm(args, chunk_size=args.chunk_size)
-    warm_up = SamplingParams(temperature=args.temperature, max_tokens=16)
-    llm.generate(["Benchmark: "], warm_up, use_tqdm=False)
+    # a slice of the workload itself, so every kernel variant and allocation is made before timing
+    warm_up = SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True)
+    llm.generate(workload.prompts[:32], warm_up, use_tqdm=False)
     params = sampling_params(workload, args.temperature)
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     prof = profile(activities=[activity]) if args.profile else None

@@ -3,7 +3,7 @@ import torch
 from minisgl.kvcache import KVPool
 from minisgl.utils import Registry
 
-from .base import AttentionBackend, AttnMetadata, build_metadata
+from .base import AttentionBackend
 from .torch_backend import TorchBackend
 
 ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention backend")
@@ -17,15 +17,13 @@ def _triton_backend(pool: KVPool, page_table: torch.Tensor) -> AttentionBackend:
     return TritonBackend(pool, page_table)
 
 
-def create_attention_backend(name: str, pool: KVPool, page_table) -> AttentionBackend:
+def create_attention_backend(name: str, pool: KVPool, page_table: torch.Tensor) -> AttentionBackend:
     return ATTENTION_BACKENDS.get(name)(pool, page_table)
 
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionBackend",
-    "AttnMetadata",
     "TorchBackend",
-    "build_metadata",
     "create_attention_backend",
 ]

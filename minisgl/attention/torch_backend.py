@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from minisgl.core import Batch
 from minisgl.kernel import store_kv
 
-from .base import AttentionBackend, AttnMetadata
+from .base import AttentionBackend
 
 
 class TorchBackend(AttentionBackend):
@@ -16,12 +16,11 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
         store_kv(k_cache, v_cache, batch.out_loc, k, v)
-        meta: AttnMetadata = batch.attn_metadata
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
-        cu = meta.cu_seqlens_q.tolist()
+        cu = batch.cu_seqlens_q.tolist()
         for i, (slot, seq_len) in enumerate(
-            zip(meta.slots.tolist(), meta.seq_lens.tolist(), strict=True)
+            zip(batch.slots.tolist(), batch.seq_lens.tolist(), strict=True)
         ):
             start, end = cu[i], cu[i + 1]
             if start == end:

@@ -12,12 +12,12 @@ from minisgl.kernel.triton import (
 )
 from minisgl.utils import to_device
 
-from .base import AttentionBackend, AttnMetadata
+from .base import AttentionBackend
 
 
 @dataclass
-class ExtendMetadata(AttnMetadata):
-    """AttnMetadata plus the q-block -> request map that the extend kernel's grid walks."""
+class ExtendMetadata:
+    """The q-block -> request map that the extend kernel's grid walks."""
 
     block_req: torch.Tensor  # [num_blocks] int32: the request of each block of new tokens
     block_start: torch.Tensor  # [num_blocks] int32: the block's first new-token index in it
@@ -26,37 +26,33 @@ class ExtendMetadata(AttnMetadata):
 class TritonBackend(AttentionBackend):
     """Paged Triton kernels: split-K decode attention and ragged causal extend attention.
 
-    Decode reads only the base AttnMetadata fields, so a CUDA graph's static batches work as-is."""
+    Decode reads only the Batch's own tensors, so a CUDA graph's static batches work as-is."""
 
     def prepare(self, batch: Batch) -> None:
-        super().prepare(batch)
         if batch.is_decode:
             return
         blocks = to_device(extend_blocks(batch.extend_lens), self.page_table.device)
-        batch.attn_metadata = ExtendMetadata(
-            **vars(batch.attn_metadata), block_req=blocks[0], block_start=blocks[1]
-        )
+        batch.attn_metadata = ExtendMetadata(block_req=blocks[0], block_start=blocks[1])
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
         store_kv(k_cache, v_cache, batch.out_loc, k, v)
-        meta: AttnMetadata = batch.attn_metadata
         if batch.is_decode:
             num_splits = decode_num_splits(q.shape[0], k_cache.shape[1], q.device)
             return decode_attention(
-                q, k_cache, v_cache, self.page_table, meta.slots, meta.seq_lens, num_splits
+                q, k_cache, v_cache, self.page_table, batch.slots, batch.seq_lens, num_splits
             )
-        assert isinstance(meta, ExtendMetadata), "prepare() builds the extend block map"
+        meta: ExtendMetadata = batch.attn_metadata
         return extend_attention(
             q,
             k_cache,
             v_cache,
             self.page_table,
-            meta.slots,
-            meta.seq_lens,
-            meta.cu_seqlens_q,
+            batch.slots,
+            batch.seq_lens,
+            batch.cu_seqlens_q,
             meta.block_req,
             meta.block_start,
         )

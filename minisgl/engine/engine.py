@@ -99,7 +99,6 @@ class Engine:
                 min(max_bs, config.max_running_requests),
                 self.dummy_slot,
                 self.pool.dummy_loc,
-                width,
                 self.device,
             )
         logger.info(

@@ -10,7 +10,7 @@ import bisect
 
 import torch
 
-from minisgl.attention import AttentionBackend, AttnMetadata
+from minisgl.attention import AttentionBackend
 from minisgl.core import Batch, get_global_ctx
 from minisgl.models import CausalLM
 from minisgl.utils import init_logger
@@ -21,7 +21,7 @@ logger = init_logger(__name__)
 def graph_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to max_bs (padding wastes at most 15 rows)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_bs] + list(range(16, max_bs + 1, 16))
-    return sorted(set([*sizes, max_bs]))
+    return sorted({*sizes, max_bs})
 
 
 class GraphRunner:
@@ -32,73 +32,39 @@ class GraphRunner:
         max_bs: int,
         dummy_slot: int,
         dummy_loc: int,
-        max_seq_len: int,
         device: torch.device,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = max_bs
-        self.dummy_slot, self.dummy_loc = dummy_slot, dummy_loc
-        self.device = device
-        rows = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        zeros = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self._input_ids = zeros.clone()
-        self._positions = zeros.clone()
-        self._out_loc = zeros.clone()
-        self._meta = AttnMetadata(
-            slots=zeros.clone(),
-            seq_lens=zeros.clone(),
-            prefix_lens=zeros.clone(),
-            cu_seqlens_q=rows,  # one new token per row in a decode
-            last_indices=rows[:-1].long(),
-            max_seq_len=max_seq_len,
-            max_extend_len=1,
+        # one buffer per batch field; padding rows: any token at position 0 of the dummy slot,
+        # writing its KV into the dummy page
+        self._fields = ("input_ids", "positions", "out_loc", "slots", "seq_lens")
+        self._static = torch.zeros((len(self._fields), max_bs), dtype=torch.int32, device=device)
+        self._padding = torch.tensor(
+            [0, 0, dummy_loc, dummy_slot, 1], dtype=torch.int32, device=device
         )
-        self._batches = {bs: self._static_batch(bs) for bs in self.sizes}
+        self._static[:] = self._padding[:, None]
+        rows = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self._batches = {bs: self._static_batch(bs, rows) for bs in self.sizes}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if device.type == "cuda":
-            self._capture_all()
+            self._capture_all(device)
 
-    def _static_batch(self, bs: int) -> Batch:
-        m = self._meta
-        meta = AttnMetadata(
-            m.slots[:bs],
-            m.seq_lens[:bs],
-            m.prefix_lens[:bs],
-            m.cu_seqlens_q[: bs + 1],
-            m.last_indices[:bs],
-            m.max_seq_len,
-            1,
-        )
-        # no Req objects: layers only read the tensors and the metadata
+    def _static_batch(self, bs: int, rows: torch.Tensor) -> Batch:
+        views = dict(zip(self._fields, self._static[:, :bs], strict=True))
+        # no Req objects: layers only read the tensors; one new token per row in a decode
         return Batch(
-            reqs=[],
-            prefix_lens=[],
-            extend_lens=[],
-            sample_rows=[],
-            input_ids=self._input_ids[:bs],
-            positions=self._positions[:bs],
-            out_loc=self._out_loc[:bs],
-            slots=m.slots[:bs],
-            is_decode=True,
-            attn_metadata=meta,
-        )
+            reqs=[], prefix_lens=[], extend_lens=[], sample_rows=[], is_decode=True,
+            cu_seqlens_q=rows[: bs + 1], last_indices=rows[:bs], **views,
+        )  # fmt: skip
 
-    def _fill_padding(self, start: int, end: int) -> None:
-        self._input_ids[start:end] = 0
-        self._positions[start:end] = 0
-        self._out_loc[start:end] = self.dummy_loc
-        self._meta.slots[start:end] = self.dummy_slot
-        self._meta.seq_lens[start:end] = 1
-        self._meta.prefix_lens[start:end] = 0
-
-    def _capture_all(self) -> None:
+    def _capture_all(self, device: torch.device) -> None:
         ctx = get_global_ctx()
-        self._fill_padding(0, self.max_bs)
         pool = None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for bs in reversed(
                 self.sizes
@@ -111,7 +77,7 @@ class GraphRunner:
                         logits = self.model.forward()
                 pool = graph.pool()
                 self._graphs[bs] = (graph, logits)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def can_run(self, batch: Batch) -> bool:
@@ -120,14 +86,9 @@ class GraphRunner:
     def run(self, batch: Batch) -> torch.Tensor:
         bs = batch.size
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        meta: AttnMetadata = batch.attn_metadata
-        self._input_ids[:bs].copy_(batch.input_ids)
-        self._positions[:bs].copy_(batch.positions)
-        self._out_loc[:bs].copy_(batch.out_loc)
-        self._meta.slots[:bs].copy_(meta.slots)
-        self._meta.seq_lens[:bs].copy_(meta.seq_lens)
-        self._meta.prefix_lens[:bs].copy_(meta.prefix_lens)
-        self._fill_padding(bs, padded)
+        torch.stack([getattr(batch, f) for f in self._fields], out=self._static[:, :bs])
+        if padded > bs:
+            self._static[:, bs:padded] = self._padding[:, None]
         if padded in self._graphs:
             graph, logits = self._graphs[padded]
             graph.replay()

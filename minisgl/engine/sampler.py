@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch
-from minisgl.utils import to_device
+from minisgl.kernel import sample_temperature
+from minisgl.kernel.torch_ops import inverse_cdf
+from minisgl.utils import pack_to_device
 
 _MASK32 = 0xFFFFFFFF
 
@@ -34,19 +36,19 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class SamplingArgs:
-    """One batch's sampling parameters, one row per request (device tensors)."""
+    """One batch's sampling parameters, one row per request (device tensors). The tensors are only
+    built when some request samples (an all-greedy batch needs just the argmax)."""
 
-    temperatures: torch.Tensor  # float32, 1.0 for greedy rows
-    top_k: torch.Tensor  # int64, vocab size where disabled
-    top_p: torch.Tensor  # float32
-    min_p: torch.Tensor  # float32
-    seeds: torch.Tensor  # int64
-    positions: torch.Tensor  # int64: the position the new token will take
-    greedy: torch.Tensor  # bool
     all_greedy: bool
-    use_top_k_top_p: bool
-    use_min_p: bool
-    num_logprobs: int  # top logprobs to return per row (0: only the sampled token's), -1: none
+    num_logprobs: int = -1  # top logprobs to return per row (0: only the sampled token's), -1: none
+    use_top_k_top_p: bool = False
+    use_min_p: bool = False
+    temperatures: torch.Tensor | None = None  # float32, 1.0 for greedy rows
+    top_k: torch.Tensor | None = None  # int64, vocab size where disabled
+    top_p: torch.Tensor | None = None  # float32
+    min_p: torch.Tensor | None = None  # float32
+    uniforms: torch.Tensor | None = None  # float32 in (0, 1): hash of (seed, new token's position)
+    greedy: torch.Tensor | None = None  # bool
 
 
 @dataclass
@@ -63,63 +65,65 @@ class Sampler:
         self.device = device
 
     def prepare(self, batch: Batch) -> SamplingArgs:
-        reqs = batch.reqs
-        params = [r.params for r in reqs]
-        greedy = [p.is_greedy for p in params]
-        floats = torch.tensor(
-            [
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-            ],
-            dtype=torch.float32,
-        )
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-        ints = torch.tensor(
-            [top_k, [r.seed for r in reqs], batch.seq_lens, greedy], dtype=torch.int64
-        )
-        floats, ints = to_device(floats, self.device), to_device(ints, self.device)
+        params = [r.params for r in batch.reqs]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        num_logprobs = max(wanted) if wanted else -1
+        greedy = [p.is_greedy for p in params]
+        if all(greedy):
+            return SamplingArgs(all_greedy=True, num_logprobs=num_logprobs)
+        sampling = [p for p, g in zip(params, greedy, strict=True) if not g]
+        # hashed on the host: a few CPU ops instead of a dozen tiny kernel launches
+        uniforms = hash_uniform(
+            torch.tensor([r.seed for r in batch.reqs], dtype=torch.int64),
+            torch.tensor(batch.prefix_lens, dtype=torch.int64) + torch.tensor(batch.extend_lens),
+        )
+        floats = pack_to_device(
+            self.device,
+            torch.float32,
+            temperatures=[1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            uniforms=uniforms.tolist(),
+        )
+        ints = pack_to_device(
+            self.device,
+            torch.int64,
+            top_k=[p.top_k if p.top_k > 0 else self.vocab_size for p in params],
+            greedy=greedy,
+        )
         return SamplingArgs(
-            temperatures=floats[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            top_k=ints[0],
-            seeds=ints[1],
-            positions=ints[2],
-            greedy=ints[3].bool(),
-            all_greedy=all(greedy),
-            use_top_k_top_p=any(
-                not g and (p.top_k > 0 or p.top_p < 1) for p, g in zip(params, greedy, strict=True)
-            ),
-            use_min_p=any(not g and p.min_p > 0 for p, g in zip(params, greedy, strict=True)),
-            num_logprobs=max(wanted) if wanted else -1,
+            all_greedy=False,
+            num_logprobs=num_logprobs,
+            use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampling),
+            use_min_p=any(p.min_p > 0 for p in sampling),
+            greedy=ints.pop("greedy").bool(),
+            **floats,
+            **ints,
         )
 
     def sample(self, logits: torch.Tensor, args: SamplingArgs) -> SampleOutput:
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1).to(torch.int32)
         if not args.all_greedy:
             sampled = self._sample_stochastic(logits, args)
-            tokens = torch.where(args.greedy, tokens, sampled)
-        out = SampleOutput(tokens.to(torch.int32))
+            tokens = torch.where(args.greedy, tokens, sampled.to(torch.int32))
+        out = SampleOutput(tokens)
         if args.num_logprobs >= 0:
-            logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
             out.logprobs = logprobs.gather(1, tokens[:, None].long())[:, 0]
             top = logprobs.topk(args.num_logprobs, dim=-1)
             out.top_ids, out.top_logprobs = top.indices.to(torch.int32), top.values
         return out
 
     def _sample_stochastic(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
-        probs = torch.softmax(logits / args.temperatures[:, None], dim=-1)
+        if not (args.use_top_k_top_p or args.use_min_p):
+            return sample_temperature(logits, args.temperatures, args.uniforms)
+        probs = torch.softmax(logits.float() / args.temperatures[:, None], dim=-1)
         if args.use_top_k_top_p:
             probs = _top_k_top_p(probs, args.top_k, args.top_p)
         if args.use_min_p:
             threshold = args.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        cdf = probs.double().cumsum(dim=-1)
-        u = hash_uniform(args.seeds, args.positions)[:, None] * cdf[:, -1:]
-        return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=logits.shape[1] - 1)
+        return inverse_cdf(probs, args.uniforms)
 
 
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -50,14 +50,31 @@ def apply_rope_inplace(
     key: torch.Tensor,
     head_size: int,
     cos_sin_cache: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
-    """NeoX-style rotary embedding in place; cos_sin_cache: [max_pos, D], cos then sin."""
-    _ops_for(query).apply_rope_inplace(positions, query, key, head_size, cos_sin_cache)
+    """NeoX-style rotary embedding in place, after a per-head RMSNorm when qk_norm =
+    (q_weight, k_weight, eps) is given; cos_sin_cache: [max_pos, D], cos then sin."""
+    _ops_for(query).apply_rope_inplace(positions, query, key, head_size, cos_sin_cache, qk_norm)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; a small decode batch on a GPU takes the Triton GEMV (it streams W faster)."""
+    ops = _ops_for(x)
+    if ops is torch_ops or x.dim() != 2 or x.shape[0] > ops.GEMV_MAX_ROWS:
+        return torch_ops.linear(x, weight, bias)
+    return ops.linear(x, weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dimension -> silu(gate) * up."""
     return _ops_for(x).silu_and_mul(x)
+
+
+def sample_temperature(
+    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """One token per row from softmax(logits / temperature), driven by the given uniforms."""
+    return _ops_for(logits).sample_temperature(logits, temperatures, uniforms)
 
 
 def store_kv(
@@ -75,7 +92,9 @@ __all__ = [
     "apply_rope_inplace",
     "fused_add_rmsnorm",
     "indexing",
+    "linear",
     "rmsnorm",
+    "sample_temperature",
     "silu_and_mul",
     "store_kv",
     "torch_ops",

@@ -30,20 +30,30 @@ def apply_rope_inplace(
     key: torch.Tensor,
     head_size: int,
     cos_sin_cache: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
-    """NeoX-style rotary embedding (the two halves paired), in place.
+    """NeoX-style rotary embedding (the two halves paired), in place; with qk_norm =
+    (q_weight, k_weight, eps), each head of q and k is RMS-normalised first (Qwen3's QK-norm).
 
-    query: [T, Hq * D] or [T, Hq, D]; key likewise; cos_sin_cache: [max_pos, D], cos then sin.
+    query: [T, Hq * D] or [T, Hq, D], possibly strided views of the merged qkv; key likewise;
+    cos_sin_cache: [max_pos, D], cos then sin.
     """
-    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, D/2]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    for t in (query, key):
+    weights = (None, None) if qk_norm is None else qk_norm[:2]
+    for t, weight in zip((query, key), weights, strict=True):
         x = t.view(t.shape[0], -1, head_size)
+        if weight is not None:
+            rmsnorm(x, weight, qk_norm[2], out=x)
         x1, x2 = x[..., : head_size // 2], x[..., head_size // 2 :]
         c, s = cos.to(x.dtype), sin.to(x.dtype)
         o1 = x1 * c - x2 * s
         o2 = x2 * c + x1 * s
         x.copy_(torch.cat([o1, o2], dim=-1))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -76,3 +86,20 @@ def store_kv(
     """Write this step's K/V rows into the pool. Caches are [slots, kv_heads, head_dim] views."""
     k_cache[out_loc] = k.view(-1, *k_cache.shape[1:])
     v_cache[out_loc] = v.view(-1, *v_cache.shape[1:])
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index where the running sum of probs reaches uniforms * the row's sum.
+    A token of probability 0 is never picked (uniforms are in (0, 1))."""
+    cdf = probs.cumsum(dim=-1)  # fp32 sums of non-negative numbers never decrease: stays sorted
+    total = cdf[:, -1:]
+    return torch.searchsorted(cdf, torch.minimum(uniforms[:, None] * total, total)).squeeze(1)
+
+
+def sample_temperature(
+    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """One token per row of logits [bs, vocab] from softmax(logits / temperature), driven by the
+    given uniform numbers. Returns [bs] int32."""
+    probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
+    return inverse_cdf(probs, uniforms).to(torch.int32)

@@ -31,8 +31,8 @@ class KVCacheManager:
         self._pages: dict[int, list[int]] = {}  # slot -> its pages, in position order
         self._handles: dict[int, Any] = {}  # slot -> locked prefix-cache handle
         self._shared: dict[int, int] = {}  # slot -> leading pages it got from the prefix cache
-        # (slot, first position) -> page, to write at the next flush; a dict so a later write wins
-        self._pending: dict[tuple[int, int], int] = {}
+        # (slots, first positions, pages) assigned since the last flush
+        self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])
         self._offsets = torch.arange(page_size, device=page_table.device)
 
     # ------------------------------------------------------------------ capacity
@@ -80,6 +80,22 @@ class KVCacheManager:
         self._assign(slot, self.allocator.alloc(need))
         return True
 
+    def reserve_all(self, slot_lens: list[tuple[int, int]]) -> bool:
+        """reserve() for many (slot, new_len) at once, all or nothing: the decode fast path."""
+        needs = [(slot, self.pages_needed(slot, new_len)) for slot, new_len in slot_lens]
+        total = sum(need for _, need in needs)
+        if total > self.available_pages:
+            return False
+        short = total - self.allocator.num_free
+        if short > 0:
+            self.allocator.free(self.prefix_cache.evict(short))
+        pages = self.allocator.alloc(total)
+        for slot, need in needs:
+            if need:
+                self._assign(slot, pages[:need])
+                del pages[:need]
+        return True
+
     def cache_prefix(self, slot: int, ids: Sequence[int]) -> None:
         """Publish the slot's computed whole pages of `ids` to the prefix cache while the request
         keeps running (so later requests can share them); the slot keeps its own pages."""
@@ -105,18 +121,21 @@ class KVCacheManager:
         """Append pages to the slot; their page-table entries are written at the next flush()."""
         first = len(self._pages[slot])
         self._pages[slot] += pages
-        for i, page in enumerate(pages):
-            self._pending[slot, (first + i) * self.page_size] = page
+        slots, starts, new_pages = self._pending
+        slots += [slot] * len(pages)
+        starts += range(
+            first * self.page_size, (first + len(pages)) * self.page_size, self.page_size
+        )
+        new_pages += pages
 
     def flush(self) -> None:
-        """Write every page assigned since the last flush into the page table, in one launch."""
-        if not self._pending:
+        """Write every page assigned since the last flush into the page table, in one launch.
+        (No position is assigned twice between flushes: a slot only ever grows within a step.)"""
+        if not self._pending[0]:
             return
-        host = torch.tensor(
-            [(*key, page) for key, page in self._pending.items()], dtype=torch.int64
-        )
-        self._pending.clear()
-        rows, starts, pages = to_device(host, self.page_table.device).T
+        host = torch.tensor(self._pending, dtype=torch.int64)
+        self._pending = ([], [], [])
+        rows, starts, pages = to_device(host, self.page_table.device)
         cols = starts[:, None] + self._offsets
         self.page_table[rows[:, None], cols] = (
             pages[:, None] * self.page_size + self._offsets

@@ -34,13 +34,12 @@ class AttentionLayer(StateLessOP):
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()
         assert ctx.batch is not None and ctx.attn_backend is not None
+        # strided views into qkv: every op below works in place on them, no copies
         q, k, v = qkv.split([self.qo_attn_dim, self.kv_attn_dim, self.kv_attn_dim], dim=-1)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if self.q_norm is not None:
-            self.q_norm.forward_inplace(q.view(-1, self.num_qo_heads, self.head_dim))
-        if self.k_norm is not None:
-            self.k_norm.forward_inplace(k.view(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary.forward(ctx.batch.positions, q, k)
+        qk_norm = None
+        if self.q_norm is not None and self.k_norm is not None:
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k = self.rotary.forward(ctx.batch.positions, q, k, qk_norm)
         o = ctx.attn_backend.forward(
             q.view(-1, self.num_qo_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),

@@ -50,7 +50,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         batch = get_global_ctx().batch
         assert batch is not None
         if not batch.is_decode and not batch.all_logits:
-            x = x[batch.attn_metadata.last_indices]
+            x = x[batch.last_indices]
         weight = self._tied_embedding.weight if self._tied_embedding is not None else self.weight
         logits = F.linear(x, weight)
         if self._tp_size == 1:

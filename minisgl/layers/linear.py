@@ -4,9 +4,9 @@ Each computes this rank's shapes from the TP info; the weight loader slices chec
 """
 
 import torch
-import torch.nn.functional as F
 
 from minisgl.distributed import DistributedCommunicator, get_tp_info
+from minisgl.kernel import linear
 from minisgl.utils import div_even
 
 from .base import BaseOP
@@ -24,7 +24,7 @@ class _LinearTPImpl(BaseOP):
         self.bias = torch.empty(local_osize) if has_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class LinearReplicated(_LinearTPImpl):
@@ -74,7 +74,7 @@ class LinearRowParallel(_LinearTPImpl):
         self._comm = DistributedCommunicator()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         return self._comm.all_reduce(y) if self._tp_size > 1 else y
 
 

@@ -13,9 +13,6 @@ class RMSNorm(BaseOP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rmsnorm(x, self.weight, self.eps)
 
-    def forward_inplace(self, x: torch.Tensor) -> None:
-        rmsnorm(x, self.weight, self.eps, out=x)
-
 
 class RMSNormFused(RMSNorm):
     """Residual add and normalisation in one op, returning (normalised, new residual)."""

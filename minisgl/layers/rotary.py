@@ -19,9 +19,15 @@ class RotaryEmbedding(StateLessOP):
         self._cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        apply_rope_inplace(positions, query, key, self.head_size, self._cos_sin_cache)
+        """Rotate q and k in place; qk_norm = (q_weight, k_weight, eps) normalises each head
+        first, in the same kernel (Qwen3's QK-norm)."""
+        apply_rope_inplace(positions, query, key, self.head_size, self._cos_sin_cache, qk_norm)
         return query, key
 
 

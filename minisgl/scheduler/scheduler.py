@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.core import Batch, FinishReason, Req, SamplingParams
+from minisgl.core import Batch, FinishReason, Req, SamplingParams, build_batch
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.kvcache import KVCacheManager
-from minisgl.utils import init_logger, to_device
+from minisgl.utils import init_logger
 
 from .config import SchedulerConfig
 from .stop import StopChecker
@@ -128,23 +128,22 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()
     def step(self) -> list[ReqOutput]:
-        batch = self._schedule()
-        launched = _InFlight(batch, self._launch(batch)) if batch is not None else None
+        scheduled = self._schedule()
+        launched = None
+        if scheduled is not None:
+            batch, write_slots = scheduled
+            launched = _InFlight(batch, self._launch(batch, write_slots))
         if not self.overlap:
             return self._process(launched) if launched else []
         finished_step, self._in_flight = self._in_flight, launched
         return self._process(finished_step) if finished_step else []
 
-    def _launch(self, batch: Batch) -> ForwardOutput:
+    def _launch(self, batch: Batch, write_slots: torch.Tensor) -> ForwardOutput:
+        """Run the batch; its sampled ids go straight into the token table on the device (rows
+        that sample nothing write into the sink row), ready for the next step's inputs."""
         self.stats.steps += 1
         out = self.engine.forward(batch, self.engine.sampler.prepare(batch))
-        rows = batch.sample_rows
-        if rows:
-            index = to_device(
-                torch.tensor([rows, [batch.seq_lens[i] for i in rows]], dtype=torch.int64),
-                self.device,
-            )
-            self.tokens.scatter(batch.slots[index[0]], index[1], out.device.tokens[index[0]])
+        self.tokens.scatter(write_slots, batch.seq_lens, out.device.tokens)
         return out
 
     def _process(self, step: _InFlight) -> list[ReqOutput]:
@@ -195,17 +194,22 @@ class Scheduler:
     def _wants_token(self, req: Req) -> bool:
         return req.num_sampled < req.params.max_tokens and req.device_len < self.max_seq_len
 
-    def _schedule(self) -> Batch | None:
+    def _schedule(self) -> tuple[Batch, torch.Tensor] | None:
         picked: list[tuple[Req, int]] = []
-        preempted = False
+        preempted: set[Req] = set()
         # 1. decodes first, so they never starve behind prefills
-        for req in list(self.running):
-            if req not in self.running or req.is_prefilling or not self._wants_token(req):
+        decodes = [r for r in self.running if not r.is_prefilling and self._wants_token(r)]
+        if self.kv.reserve_all([(r.slot, r.device_len) for r in decodes]):
+            picked = [(req, 1) for req in decodes]
+            decodes = []  # all reserved: no one to preempt for
+        for req in decodes:
+            if req in preempted:
                 continue
             while not self.kv.reserve(req.slot, req.device_len):
-                self._preempt(self.running[-1])
-                preempted = True
-                if req not in self.running:
+                victim = self.running[-1]  # the newest: it has the least work to lose
+                self._preempt(victim)
+                preempted.add(victim)
+                if victim is req:
                     break
             else:
                 picked.append((req, 1))
@@ -290,39 +294,28 @@ class Scheduler:
         if req.slot >= 0:
             self.tokens.free_slot(req.slot)
 
-    def _build_batch(self, picked: list[tuple[Req, int]]) -> Batch:
+    def _build_batch(self, picked: list[tuple[Req, int]]) -> tuple[Batch, torch.Tensor]:
+        """The batch, and the token-table row each request's sampled token goes to."""
         reqs = [req for req, _ in picked]
         extend_lens = [extend for _, extend in picked]
         prefix_lens = [req.cached_len for req in reqs]
-        sample_rows = []
+        sample_rows, write_slots = [], []
         for i, (req, extend) in enumerate(picked):
             req.cached_len += extend
-            if req.cached_len == req.device_len:  # the whole known sequence is computed: sample
+            samples = req.cached_len == req.device_len  # the whole known sequence is computed
+            write_slots.append(req.slot if samples else self.tokens.sink_slot)
+            if samples:
                 sample_rows.append(i)
                 if extend > 1:  # a prompt just finished: share its pages with later requests
                     self.kv.cache_prefix(req.slot, req.known_ids[: req.cached_len])
                 req.device_len += 1
         self.kv.flush()
         self.tokens.flush()
-        host = torch.tensor([[r.slot for r in reqs], prefix_lens, extend_lens], dtype=torch.int64)
-        slots, prefix, extend = to_device(host, self.device)
-        num_tokens = sum(extend_lens)
-        token_slots = torch.repeat_interleave(slots, extend, output_size=num_tokens)
-        starts = torch.cumsum(extend, 0) - extend
-        positions = torch.arange(num_tokens, device=self.device) - torch.repeat_interleave(
-            starts - prefix, extend, output_size=num_tokens
-        )
-        return Batch(
-            reqs=reqs,
-            prefix_lens=prefix_lens,
-            extend_lens=extend_lens,
-            sample_rows=sample_rows,
-            input_ids=self.tokens.gather(token_slots, positions),
-            positions=positions.int(),
-            out_loc=self.engine.page_table[token_slots, positions],
-            slots=slots.int(),
-            is_decode=all(e == 1 for e in extend_lens),
-        )
+        batch, extra = build_batch(
+            reqs, prefix_lens, extend_lens, self.engine.page_table, self.tokens.table,
+            sample_rows, write_slots=write_slots,
+        )  # fmt: skip
+        return batch, extra["write_slots"]
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -22,7 +22,10 @@ class StopChecker:
             matched = self._match_stop_string(req)
             if matched is not None:
                 return "stop", matched
-        if len(req.output_ids) >= params.max_tokens or len(req.known_ids) >= self.max_seq_len:
+        if (
+            len(req.output_ids) >= params.max_tokens
+            or len(req.prompt_ids) + len(req.output_ids) >= self.max_seq_len
+        ):
             return "length", None
         return None
 

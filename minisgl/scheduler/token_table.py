@@ -4,15 +4,17 @@ from minisgl.utils import to_device
 
 
 class TokenTable:
-    """Every running request's token ids on the device, one row per slot: [slots, max_seq_len].
+    """Every running request's token ids on the device, one row per slot: [slots + 1, max_seq_len].
 
     A step's input ids are gathered from here by (slot, position), and sampled ids are scattered
-    back on the device, so the next step can be launched before the host has seen them.
+    back on the device, so the next step can be launched before the host has seen them. The last
+    row is a sink for the tokens of requests that sample nothing this step (a mid-prompt chunk).
     """
 
     def __init__(self, num_slots: int, max_seq_len: int, device: torch.device) -> None:
         self.device = device
-        self.table = torch.zeros((num_slots, max_seq_len), dtype=torch.int32, device=device)
+        self.table = torch.zeros((num_slots + 1, max_seq_len), dtype=torch.int32, device=device)
+        self.sink_slot = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._pending: list[tuple[int, int, list[int]]] = []  # (slot, start, ids) to write
 
@@ -39,9 +41,6 @@ class TokenTable:
         self._pending.clear()
         host = to_device(torch.tensor([rows, cols, values], dtype=torch.int64), self.device)
         self.table[host[0], host[1]] = host[2].int()
-
-    def gather(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.table[slots, positions]
 
     def scatter(self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> None:
         self.table[slots, positions] = ids

@@ -38,11 +38,15 @@ class IncrementalDetokenizer:
             self.text += new_text[len(prefix_text) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
 
-    def step(self, token_id: int | None, finished: bool = False, stop_token: bool = False) -> str:
-        """Add one sampled token; returns the text that became final. A finishing stop token
-        (eos or a stop id) contributes no text."""
-        if token_id is not None and not stop_token:
-            self._ids.append(token_id)
+    def step(
+        self, token_ids: Sequence[int], finished: bool = False, stop_token: bool = False
+    ) -> str:
+        """Add sampled tokens (one per step when streaming, all at once otherwise); returns the
+        text that became final. With stop_token, the last token is the eos or stop id that
+        finished the request: it contributes no text."""
+        new = token_ids[:-1] if stop_token else token_ids
+        if new:
+            self._ids.extend(new)
             self._read(final=finished)
         elif finished:
             self._read(final=True)

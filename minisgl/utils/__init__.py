@@ -2,7 +2,7 @@ from .hf import DEFAULT_MODEL_PATH, cached_load_hf_config, load_eos_token_ids, r
 from .logger import init_logger
 from .misc import div_ceil, div_even
 from .registry import Registry
-from .torch_utils import resolve_device, resolve_dtype, to_device, torch_dtype
+from .torch_utils import pack_to_device, resolve_device, resolve_dtype, to_device, torch_dtype
 
 __all__ = [
     "DEFAULT_MODEL_PATH",
@@ -12,6 +12,7 @@ __all__ = [
     "div_even",
     "init_logger",
     "load_eos_token_ids",
+    "pack_to_device",
     "resolve_device",
     "resolve_dtype",
     "resolve_model_path",

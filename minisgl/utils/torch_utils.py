@@ -44,3 +44,12 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def pack_to_device(
+    device: torch.device, dtype: torch.dtype, **columns: list[int] | list[float]
+) -> dict[str, torch.Tensor]:
+    """Copy several host lists to the device in one transfer; returns a view per name."""
+    flat = [x for values in columns.values() for x in values]
+    packed = to_device(torch.tensor(flat, dtype=dtype), device)
+    return dict(zip(columns, packed.split([len(v) for v in columns.values()]), strict=True))

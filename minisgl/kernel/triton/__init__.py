@@ -5,18 +5,24 @@
 from .activation import silu_and_mul
 from .decode_attention import decode_attention, decode_num_splits
 from .extend_attention import extend_attention, extend_blocks
+from .gemv import MAX_ROWS as GEMV_MAX_ROWS
+from .gemv import linear
 from .norm import fused_add_rmsnorm, rmsnorm
 from .rope import apply_rope_inplace
+from .sampling import sample_temperature
 from .store_kv import store_kv
 
 __all__ = [
+    "GEMV_MAX_ROWS",
     "apply_rope_inplace",
     "decode_attention",
     "decode_num_splits",
     "extend_attention",
     "extend_blocks",
     "fused_add_rmsnorm",
+    "linear",
     "rmsnorm",
+    "sample_temperature",
     "silu_and_mul",
     "store_kv",
 ]

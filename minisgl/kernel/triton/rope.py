@@ -11,13 +11,24 @@ def _mul(a, b):
 
 
 @triton.jit
-def _rotate_heads(ptr, stride_head, num_heads, cos, sin, i, i_mask, HALF, BLOCK_H: tl.constexpr):
-    """NeoX rotation of one token's heads in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+def _rotate_heads(
+    ptr, stride_head, num_heads, cos, sin, i, i_mask, norm_w_ptr, eps,
+    HALF, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """One token's heads in place: optional RMSNorm over each head, then the NeoX rotation
+    (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
     h = tl.arange(0, BLOCK_H)
     mask = (h < num_heads)[:, None] & i_mask[None, :]
     x1_ptrs = ptr + h[:, None] * stride_head + i[None, :]
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0)
     x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0)
+    if HAS_NORM:  # rounded where torch_ops.rmsnorm rounds: to the dtype, then times the weight
+        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+        scale = tl.rsqrt((tl.sum(x1f * x1f, 1) + tl.sum(x2f * x2f, 1)) / (2 * HALF) + eps)
+        w1 = tl.load(norm_w_ptr + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1f * scale[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype)
+        x2 = ((x2f * scale[:, None]).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
     # in the tensor's dtype, like the reference: cos/sin cast first, each product rounded
     c, s = cos.to(x1.dtype)[None, :], sin.to(x1.dtype)[None, :]
     tl.store(x1_ptrs, _mul(x1, c) - _mul(x2, s), mask=mask)
@@ -30,6 +41,9 @@ def _rope_kernel(
     k_ptr,
     positions_ptr,
     cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     stride_q_tok,
     stride_q_head,
     stride_k_tok,
@@ -38,6 +52,7 @@ def _rope_kernel(
     num_q_heads,
     num_k_heads,
     HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
@@ -48,10 +63,14 @@ def _rope_kernel(
     i_mask = i < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + i, mask=i_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + i, mask=i_mask, other=0.0)
-    q_tok_ptr = q_ptr + token * stride_q_tok
-    _rotate_heads(q_tok_ptr, stride_q_head, num_q_heads, cos, sin, i, i_mask, HALF, BLOCK_QH)
-    k_tok_ptr = k_ptr + token * stride_k_tok
-    _rotate_heads(k_tok_ptr, stride_k_head, num_k_heads, cos, sin, i, i_mask, HALF, BLOCK_KH)
+    _rotate_heads(
+        q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, cos, sin, i, i_mask,
+        q_norm_ptr, eps, HALF, HAS_NORM, BLOCK_QH,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr + token * stride_k_tok, stride_k_head, num_k_heads, cos, sin, i, i_mask,
+        k_norm_ptr, eps, HALF, HAS_NORM, BLOCK_KH,
+    )  # fmt: skip
 
 
 def apply_rope_inplace(
@@ -60,18 +79,22 @@ def apply_rope_inplace(
     key: torch.Tensor,
     head_size: int,
     cos_sin_cache: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
-    """NeoX-style rotary embedding (the two halves paired), in place, one program per token.
+    """NeoX-style rotary embedding (the two halves paired), in place, one program per token;
+    with qk_norm = (q_weight, k_weight, eps) each head is RMS-normalised first, in the same pass.
 
-    query: [T, Hq * D] or [T, Hq, D]; key likewise; cos_sin_cache: [max_pos, D], cos then sin.
+    query: [T, Hq * D] or [T, Hq, D] (strided views are fine); key likewise;
+    cos_sin_cache: [max_pos, D], cos then sin.
     """
     q = query.view(query.shape[0], -1, head_size)
     k = key.view(key.shape[0], -1, head_size)
     half = head_size // 2
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # weights unread without norm
     _rope_kernel[(q.shape[0],)](
-        q, k, positions, cos_sin_cache,
+        q, k, positions, cos_sin_cache, q_w, k_w, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         q.shape[1], k.shape[1],
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        HALF=half, HAS_NORM=qk_norm is not None, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
     )  # fmt: skip
