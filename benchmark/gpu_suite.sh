@@ -42,6 +42,9 @@ for part in "$@"; do
       step no_graph 240 python3 benchmark/offline/bench.py --skip-hf --no-cuda-graph
       step no_overlap 240 python3 benchmark/offline/bench.py --skip-hf --no-overlap ;;
     tests) MINISGL_TEST_DEVICE=cuda step tests 480 python3 -m pytest -q -x -p no:cacheprovider tests ;;
+    tests-engine)  # everything but the server processes
+      MINISGL_TEST_DEVICE=cuda step tests_engine 330 python3 -m pytest -q -x -p no:cacheprovider tests \
+        --ignore-glob='tests/test_server*' --ignore=tests/test_shell.py ;;
     *) echo "unknown part $part" ;;
   esac
 done
