@@ -30,18 +30,18 @@ step() {  # step NAME TIMEOUT CMD...: run, keep the log, put the table's tail in
 for part in "$@"; do
   case $part in
     kernels) step kernels 240 python3 benchmark/kernel/bench_attention.py ;;
-    latency) step latency 240 python3 benchmark/offline/latency.py --json "$OUT/latency.json" ;;
-    bench) step bench 300 python3 benchmark/offline/bench.py --skip-hf --json "$OUT/bench.json" ;;
-    bench-hf) step bench_hf 540 python3 benchmark/offline/bench.py --json "$OUT/bench_hf.json" ;;
-    profile) step profile 300 python3 benchmark/offline/bench.py --skip-hf --profile --json "$OUT/profile.json" ;;
+    latency) step latency 240 python3 benchmark/offline/latency.py ;;
+    bench) step bench 300 python3 benchmark/offline/bench.py --skip-hf ;;
+    bench-hf) step bench_hf 300 python3 benchmark/offline/bench.py --json "$OUT/bench_hf.json" ;;
+    profile) step profile 300 python3 benchmark/offline/bench.py --skip-hf --profile ;;
     cprofile) step cprofile 300 python3 -m cProfile -o "$OUT/bench.prof" benchmark/offline/bench.py --skip-hf ;;
     latency-profile)
       step latency_profile 240 python3 benchmark/offline/bench.py --skip-hf --profile --num-requests 1 \
-        --min-len 256 --max-len 512 --json "$OUT/latency_profile.json" ;;
+        --min-len 256 --max-len 512 ;;
     ablations)
       step no_graph 240 python3 benchmark/offline/bench.py --skip-hf --no-cuda-graph
       step no_overlap 240 python3 benchmark/offline/bench.py --skip-hf --no-overlap ;;
-    tests) MINISGL_TEST_DEVICE=cuda step tests 480 python3 -m pytest -q -x -p no:cacheprovider tests ;;
+    tests) MINISGL_TEST_DEVICE=cuda step tests 280 python3 -m pytest -q --maxfail=5 --durations=10 -p no:cacheprovider tests ;;
     tests-engine)  # everything but the server processes
       MINISGL_TEST_DEVICE=cuda step tests_engine 330 python3 -m pytest -q -x -p no:cacheprovider tests \
         --ignore-glob='tests/test_server*' --ignore=tests/test_shell.py ;;

@@ -57,7 +57,8 @@ class SamplingParams:
         check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
         check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
         check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be >= 1")
-        check(self.seed is None or _is_int(self.seed), "seed must be an integer")
+        check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63),
+              "seed must be a 64-bit integer")  # fmt: skip
         check(
             self.logprobs is None
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),

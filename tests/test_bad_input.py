@@ -56,6 +56,7 @@ def test_bad_prompt_raises_and_engine_keeps_serving(
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"max_tokens": 2.5}, "max_tokens"),
+        ({"seed": 2**64}, "seed"),
     ],
 )
 def test_bad_sampling_params_raise(llm: LLM, expected: list[int], params: dict, match: str) -> None:

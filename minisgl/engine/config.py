@@ -21,6 +21,8 @@ class EngineConfig:
     dist_init_method: str | None = None  # torch.distributed init URL when tp_size > 1
 
     def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp rank {self.tp_rank} is outside a TP size of {self.tp_size}")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.max_running_requests < 1:

@@ -1,0 +1,127 @@
+"""OpenAI request bodies, and how their fields map onto SamplingParams.
+
+Field types are checked strictly (a string is not a number); value rules (ranges, non-empty stop
+strings, ...) are SamplingParams' own. Fields left out keep SamplingParams' defaults, which match
+OpenAI's (temperature 1, top_p 1, max_tokens 16 for completions), except chat's max_tokens, which
+defaults to the rest of the context (as in vLLM): the request runs until the context is full.
+"""
+
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minisgl.core import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerateRequest(_Strict):
+    """The fields completions and chat share."""
+
+    model: str | None = None  # None: the served model
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    frequency_penalty: float | None = None  # accepted only at their neutral value, 0
+    presence_penalty: float | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError for values SamplingParams rejects."""
+        if self.frequency_penalty or self.presence_penalty:
+            raise ValueError("frequency_penalty and presence_penalty are not supported")
+        given: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "max_tokens": max_tokens,
+            "logprobs": logprobs,
+        }
+        return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of n independent choices: distinct seeds derived from a given seed (choice 0
+    keeps it, so n=1 and the first of n agree); without one, the scheduler draws a seed each."""
+    if params.seed is None:
+        return [params] * n
+    # wrapped into the 64-bit range SamplingParams accepts
+    return [replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63) for i in range(n)]
+
+
+class CompletionRequest(_GenerateRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt per entry: a text, or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]
+        if not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        return self._params(self.max_tokens, self.logprobs)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_template_input(self) -> dict[str, str]:
+        text = (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
+        # "developer" is OpenAI's newer name for the system role, which chat templates know
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerateRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self, max_seq_len: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        max_tokens = next(
+            (m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
+            max_seq_len,
+        )
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)

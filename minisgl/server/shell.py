@@ -1,0 +1,92 @@
+"""`minisgl --shell`: chat with the served model in the terminal, through its own HTTP API.
+
+The shell keeps the conversation and sends all of it each turn, streaming the reply as it comes.
+/reset forgets the conversation; /exit or Ctrl-D leaves; Ctrl-C stops a reply early.
+"""
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.completion import WordCompleter
+
+# a reply cap keeps room in the context for the conversation (the API's default is the whole rest)
+REPLY_MAX_TOKENS = 256
+_COMMANDS = ("/reset", "/exit")
+
+
+def _stream_reply(
+    url: str, model: str, api_key: str | None, messages: list[dict[str, str]]
+) -> Iterator[dict[str, Any]]:
+    """The reply's chunks, as the server streams them; the last one has the usage."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": REPLY_MAX_TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), headers
+    )
+    with urllib.request.urlopen(request) as response:
+        for line in response:
+            data = line.decode().removeprefix("data: ").strip()
+            if data and data != "[DONE]":
+                yield json.loads(data)
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    try:
+        return json.loads(e.read())["error"]["message"]
+    except (ValueError, KeyError):
+        return str(e)
+
+
+def run_shell(url: str, model: str, api_key: str | None) -> None:
+    """The REPL; returns on /exit or Ctrl-D."""
+    session: PromptSession[str] = PromptSession(completer=WordCompleter(list(_COMMANDS)))
+    history: list[dict[str, str]] = []
+    print(
+        f"minisgl shell: chatting with {model}. /reset clears the history, /exit or Ctrl-D quits."
+    )
+    while True:
+        try:
+            line = session.prompt("you> ").strip()
+        except KeyboardInterrupt:
+            continue
+        except EOFError:
+            return
+        if line == "/exit":
+            return
+        if line == "/reset":
+            history.clear()
+            print("(history cleared)")
+            continue
+        if not line:
+            continue
+        turn = [*history, {"role": "user", "content": line}]
+        reply, start = "", time.monotonic()
+        try:
+            for chunk in _stream_reply(url, model, api_key, turn):
+                for choice in chunk["choices"]:
+                    piece = choice["delta"].get("content") or ""
+                    reply += piece
+                    print(piece, end="", flush=True)
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                    print(f"\n[{tokens} tokens in {time.monotonic() - start:.1f} s]")
+        except KeyboardInterrupt:
+            print("\n(reply stopped)")
+            continue
+        except urllib.error.HTTPError as e:
+            print(f"error: {_error_message(e)} (/reset starts a new conversation)")
+            continue
+        history = [*turn, {"role": "assistant", "content": reply}]

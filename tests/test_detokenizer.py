@@ -1,0 +1,62 @@
+"""IncrementalDetokenizer: streamed pieces are final text only (no half characters, no text that
+may still become a stop string) and always concatenate to the finished text."""
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from minisgl.tokenizer import IncrementalDetokenizer
+from minisgl.utils import DEFAULT_MODEL_PATH
+
+from .conftest import QWEN3_TOKENIZER
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(QWEN3_TOKENIZER))
+
+
+def _stream(
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    stop: tuple[str, ...] = (),
+    prompt: str = "Say:",
+) -> tuple[list[str], IncrementalDetokenizer]:
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), stop)
+    pieces = [detok.step([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
+    return pieces, detok
+
+
+@pytest.mark.parametrize("text", ["𠀋𠀌 and 🫠🫨 ok", "a 𝔘𝔫𝔦 b", "Ǆ ᾯ ꙮ"])
+def test_characters_split_across_tokens_are_never_emitted_half(
+    qwen3: PreTrainedTokenizerBase, text: str
+) -> None:
+    ids = qwen3.encode(text)
+    assert any("\ufffd" in qwen3.decode([t]) for t in ids), "no character spans two tokens"
+    pieces, detok = _stream(qwen3, ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == detok.text == text
+    at_once = IncrementalDetokenizer(qwen3, qwen3.encode("Say:"))
+    assert at_once.step(ids, finished=True) == text
+
+
+def test_a_stop_string_across_tokens_is_held_back_then_cut(
+    qwen3: PreTrainedTokenizerBase,
+) -> None:
+    ids = qwen3.encode("one two three four")  # "one", " two", " three", " four"
+    pieces, detok = _stream(qwen3, ids, stop=("o thr",))
+    assert pieces[:2] == ["one", " tw"]  # the "o" of " two" might begin the stop string
+    assert "".join(pieces) == detok.text == "one tw"
+
+
+def test_sentencepiece_word_starts_keep_their_space() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_PATH))
+    ids = tokenizer.encode("Once upon a time", add_special_tokens=False)
+    pieces, _ = _stream(tokenizer, ids, prompt="Hello")
+    assert pieces == [" Once", " upon", " a", " time"]
+
+
+def test_a_finishing_stop_token_adds_no_text(qwen3: PreTrainedTokenizerBase) -> None:
+    detok = IncrementalDetokenizer(qwen3, qwen3.encode("Hi"))
+    first = detok.step(qwen3.encode(" there"))
+    last = detok.step([qwen3.convert_tokens_to_ids("<|im_end|>")], finished=True, stop_token=True)
+    assert (first, last, detok.text) == (" there", "", " there")

@@ -1,0 +1,444 @@
+"""The OpenAI-compatible server, as real processes (`python -m minisgl`) driven by real clients
+(the official `openai` package and httpx), on the embedded stories260K model."""
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from minisgl import LLM, SamplingParams
+
+from .conftest import DEVICE
+
+API_KEY = "test-key"
+MODEL = "stories"
+PROMPT = "Once upon a time, there was a little"
+START_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class ServerProcess:
+    """`python -m minisgl ...` on a free port, in its own session and its own TMPDIR (where the
+    launcher puts its ipc files), so stopping it can be checked for leftovers."""
+
+    def __init__(self, tmp: Path, *options: str, api_key: str | None = None) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.tmpdir = tmp / "ipc"
+        self.tmpdir.mkdir()
+        self.log_path = tmp / "server.log"
+        # fp32 on the test device, like the offline engines the answers are compared with
+        device = ["--device", DEVICE, "--dtype", "float32"] if "--device" not in options else []
+        args = [sys.executable, "-m", "minisgl", "--port", str(self.port), *device, *options]
+        if api_key is not None:
+            args += ["--api-key", api_key]
+        env = {**os.environ, "TMPDIR": str(self.tmpdir)}
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self._wait_ready()
+        self.children = _children(self.proc.pid)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited:\n{self.log()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none")
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none")
+
+    def post(self, path: str, headers: dict[str, str] | None = None, **kwargs) -> httpx.Response:
+        headers = {**self.headers, **(headers or {})}
+        return httpx.post(self.url + path, headers=headers, timeout=60, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of GET /metrics, by name with labels."""
+        text = httpx.get(self.url + "/metrics").text
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop the server as a terminal's Ctrl-C would (SIGINT to the whole session) or as a
+        process manager would (SIGTERM to the launcher alone); check that every child is gone
+        and the ipc directory removed."""
+        if self.proc.poll() is not None:
+            return
+        if signum == signal.SIGINT:
+            os.killpg(self.proc.pid, signum)
+        else:
+            self.proc.send_signal(signum)
+        assert self.proc.wait(timeout=30) == 0, self.log()
+        # multiprocessing's resource tracker leaves a moment after the launcher
+        _wait_for(lambda: not [pid for pid in self.children if _alive(pid)], timeout=10)
+        assert list(self.tmpdir.iterdir()) == [], "leftover ipc files"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    s = ServerProcess(
+        tmp_path_factory.mktemp("server"),
+        "--max-kv-tokens",
+        "16384",
+        "--served-model-name",
+        MODEL,
+        api_key=API_KEY,
+    )
+    yield s
+    s.stop(signal.SIGINT)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    """The offline engine on the same model: the reference for what the server must return."""
+    return LLM(device=DEVICE, dtype="float32", max_kv_tokens=4096)
+
+
+FLAGS = [
+    "--model",
+    "--host",
+    "--port",
+    "--device",
+    "--dtype",
+    "--tp",
+    "--page-size",
+    "--max-running-requests",
+    "--max-kv-tokens",
+    "--chunk-size",
+    "--cache",
+    "--api-key",
+    "--served-model-name",
+    "--shell",
+]
+
+
+def test_console_script_help_explains_every_option() -> None:
+    script = Path(sys.executable).parent / "minisgl"
+    out = subprocess.run([script, "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in FLAGS:
+        entry = re.search(rf"^  {flag}\b.*(\n {{10,}}.*)*", out, re.MULTILINE)
+        assert entry is not None, flag
+        assert re.search(r"[a-z]+ [a-z]+", entry.group(0).replace(flag, "")), entry.group(0)
+
+
+def test_models_lists_the_served_model_and_health_is_ok(server: ServerProcess) -> None:
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_greedy_completion_equals_the_offline_engine(server: ServerProcess, llm: LLM) -> None:
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    got = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=24
+    )
+    assert got.choices[0].text == want["text"]
+    assert got.choices[0].finish_reason == want["finish_reason"]
+
+
+def test_streamed_text_equals_non_streamed_text(server: ServerProcess) -> None:
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=40, seed=7, temperature=1.0)
+    whole = client.completions.create(**kwargs).choices[0]
+    pieces = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in pieces) == whole.text
+    assert pieces[-1].choices[0].finish_reason == whole.finish_reason == "length"
+
+
+def test_n_choices_use_distinct_seeds_derived_from_the_seed(server: ServerProcess) -> None:
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=30, seed=3, temperature=1.0)
+    two = client.completions.create(n=2, **kwargs)
+    one = client.completions.create(n=1, **kwargs)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text == one.choices[0].text
+    assert two.choices[0].text != two.choices[1].text
+    assert two.usage.completion_tokens == 60
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+
+    streamed = ["", ""]
+    for chunk in client.completions.create(n=2, stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in two.choices]
+
+
+def test_batch_of_prompts_gives_one_choice_per_prompt(server: ServerProcess) -> None:
+    client = server.client()
+    prompts = [PROMPT, "The dog"]
+    got = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=8)
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=8)
+        for p in prompts
+    ]
+    assert [c.text for c in got.choices] == [a.choices[0].text for a in alone]
+    assert got.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+
+
+def test_stop_string_ends_the_text_before_it(server: ServerProcess) -> None:
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=30)
+    full = client.completions.create(**kwargs).choices[0].text
+    stop = full.split()[4]
+    cut = client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert cut.text == full[: full.index(stop)]
+    assert cut.finish_reason == "stop"
+    streamed = list(client.completions.create(stop=stop, stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in streamed) == cut.text
+
+
+def test_finish_reason_is_length_at_max_tokens_and_stop_at_a_stop_token(
+    server: ServerProcess, llm: LLM
+) -> None:
+    ids = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0][
+        "token_ids"
+    ]
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=10)
+    length = client.completions.create(**kwargs)
+    assert length.choices[0].finish_reason == "length"
+    assert length.usage.completion_tokens == 10
+    stop = client.completions.create(extra_body={"stop_token_ids": [ids[5]]}, **kwargs)
+    assert stop.choices[0].finish_reason == "stop"
+    assert stop.usage.completion_tokens == ids.index(ids[5]) + 1
+
+
+def test_usage_counts_prompt_and_completion_tokens(server: ServerProcess, llm: LLM) -> None:
+    got = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12)
+    prompt_tokens = len(llm.tokenizer.encode(PROMPT))
+    assert got.usage.prompt_tokens == prompt_tokens
+    assert got.usage.completion_tokens == 12
+    assert got.usage.total_tokens == prompt_tokens + 12
+
+
+def test_stream_options_include_usage_adds_a_final_usage_chunk(server: ServerProcess) -> None:
+    chunks = list(
+        server.client().completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_logprobs_give_the_top_tokens_of_each_step(server: ServerProcess) -> None:
+    got = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8, logprobs=3
+    )
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == got.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and logprob <= 0
+        assert top[token] == pytest.approx(max(top.values()))  # greedy takes the top token
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+BAD_BODIES = {
+    "wrong type: temperature": {"temperature": "hot"},
+    "wrong type: max_tokens": {"max_tokens": "ten"},
+    "wrong type: n": {"n": True},
+    "wrong type: prompt": {"prompt": 5},
+    "bad value: temperature": {"temperature": -1},
+    "bad value: top_p": {"top_p": 0},
+    "bad value: max_tokens": {"max_tokens": 0},
+    "bad value: n": {"n": 0},
+    "bad value: logprobs": {"logprobs": 50},
+    "bad value: stop": {"stop": [""]},
+    "bad value: seed": {"seed": 2**64},
+    "empty prompt list": {"prompt": []},
+    "token id outside the vocabulary": {"prompt": [1, 100000]},
+    "over-long prompt": {"prompt": "the cat sat " * 1000},
+    "over-long prompt, streamed": {"prompt": "the cat sat " * 1000, "stream": True},
+    "unsupported: echo": {"echo": True},
+    "unsupported: penalty": {"presence_penalty": 0.5},
+}
+
+
+@pytest.mark.parametrize("override", BAD_BODIES.values(), ids=BAD_BODIES.keys())
+def test_bad_request_is_a_400_and_the_next_request_is_served(
+    server: ServerProcess, override: dict
+) -> None:
+    response = server.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, **override})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    ok = server.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_malformed_json_is_a_400(server: ServerProcess) -> None:
+    response = server.post(
+        "/v1/completions", content=b'{"prompt": "x",', headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert "error" in response.json()
+
+
+def test_openai_client_sees_bad_request_errors(server: ServerProcess) -> None:
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        server.client().completions.create(model=MODEL, prompt="the cat sat " * 1000)
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_wrong_or_missing_api_key_is_a_401(server: ServerProcess, key: str | None) -> None:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT}, headers=headers)
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong").models.list()
+    assert httpx.get(server.url + "/health").status_code == 200  # not behind the key
+
+
+def test_unknown_model_is_a_404(server: ServerProcess) -> None:
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="gpt-5", prompt=PROMPT)
+
+
+def test_32_concurrent_streaming_clients_all_complete(server: ServerProcess) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=f"{PROMPT} {i}",
+            max_tokens=20 + i,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            usage = chunk.usage or usage
+        return text, usage
+
+    async def run_all() -> list:
+        client = server.async_client()
+        return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run_all())
+    assert [usage.completion_tokens for _, usage in results] == [20 + i for i in range(32)]
+    assert all(text for text, _ in results)
+
+
+_KILLED_CLIENT = textwrap.dedent(
+    """
+    import sys, httpx
+    url, key = sys.argv[1], sys.argv[2]
+    body = {"prompt": "Once", "max_tokens": 100000, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                print("streaming", flush=True)
+    """
+)
+
+
+def test_killed_client_aborts_its_request_and_frees_its_pages(server: ServerProcess) -> None:
+    before = server.metrics()
+    aborted = 'minisgl_requests_total{finish_reason="abort"}'
+    client = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_CLIENT, server.url, API_KEY], stdout=subprocess.PIPE
+    )
+    assert client.stdout is not None
+    assert client.stdout.readline() == b"streaming\n"
+    _wait_for(lambda: server.metrics()['minisgl_kv_pages{state="request"}'] > 0)
+    client.kill()
+    client.wait()
+
+    _wait_for(lambda: server.metrics().get(aborted, 0) == before.get(aborted, 0) + 1)
+    _wait_for(lambda: server.metrics()["minisgl_running_requests"] == 0)
+    after = server.metrics()
+    assert after['minisgl_kv_pages{state="request"}'] == 0
+    assert after["minisgl_kv_integrity_checks"] > before["minisgl_kv_integrity_checks"]
+    assert after["minisgl_kv_integrity_failures"] == 0
+    # the stream was cut long before the context (2048 tokens) could fill
+    assert (
+        after["minisgl_generation_tokens_total"] - before["minisgl_generation_tokens_total"] < 1500
+    )
+
+
+def test_metrics_report_requests_tokens_latency_and_kv_pages(server: ServerProcess) -> None:
+    server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    m = server.metrics()
+    assert m['minisgl_requests_total{finish_reason="length"}'] >= 1
+    assert m["minisgl_prompt_tokens_total"] > 0 and m["minisgl_generation_tokens_total"] >= 4
+    assert m["minisgl_time_to_first_token_seconds_count"] >= 1
+    assert m["minisgl_inter_token_latency_seconds_count"] >= 3
+    assert m["minisgl_queued_requests"] == 0
+    pages = [m[f'minisgl_kv_pages{{state="{s}"}}'] for s in ("request", "cached", "free")]
+    assert sum(pages) == 16384 and pages[1] > 0
+    assert 0 < m["minisgl_prefix_cache_hit_rate"] < 1

@@ -1,0 +1,138 @@
+"""/v1/chat/completions on a small random Qwen3 with the real Qwen3 tokenizer (chat template,
+multi-byte text), checked against the offline engine with the same seed."""
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from minisgl import LLM, SamplingParams
+from minisgl.messages import TokenizeRequest
+from minisgl.tokenizer import prompt_ids
+from minisgl.utils import DEFAULT_MODEL_PATH
+
+from .conftest import DEVICE
+from .test_server import ServerProcess
+
+MAX_KV_TOKENS = 512  # also the context: the random Qwen3 knows 1024 positions
+MESSAGES = [
+    {"role": "system", "content": "Answer in any language."},
+    {"role": "user", "content": "你好, wörld 😀"},
+]
+
+
+@pytest.fixture(scope="module")
+def model_path(checkpoint) -> str:
+    return str(checkpoint("qwen3", tokenizer="qwen3"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
+    s = ServerProcess(
+        tmp_path_factory.mktemp("chat"),
+        "--model",
+        model_path,
+        "--max-kv-tokens",
+        str(MAX_KV_TOKENS),
+    )
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: str) -> LLM:
+    return LLM(model_path, device=DEVICE, dtype="float32", max_kv_tokens=MAX_KV_TOKENS)
+
+
+def _chat_ids(llm: LLM) -> list[int]:
+    return prompt_ids(llm.tokenizer, TokenizeRequest(0, SamplingParams(), messages=MESSAGES))
+
+
+def test_chat_reply_equals_the_offline_engine_on_the_templated_prompt(
+    server: ServerProcess, llm: LLM, model_path: str
+) -> None:
+    params = SamplingParams(seed=11, max_tokens=20)
+    want = llm.generate([_chat_ids(llm)], params, use_tqdm=False)[0]
+    got = server.client().chat.completions.create(
+        model=model_path, messages=MESSAGES, seed=11, max_tokens=20
+    )
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want["text"]
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == len(_chat_ids(llm))
+    assert got.usage.completion_tokens == 20
+
+
+def test_streamed_multibyte_text_equals_non_streamed_and_the_full_decode(
+    server: ServerProcess, llm: LLM, model_path: str
+) -> None:
+    want = llm.generate([_chat_ids(llm)], SamplingParams(seed=1, max_tokens=64), use_tqdm=False)[0]
+    tokenizer = llm.tokenizer
+    # the random model emits tokens that are part of a UTF-8 character on their own
+    assert any("\ufffd" in tokenizer.decode([t]) for t in want["token_ids"])
+    client = server.client()
+    kwargs = dict(model=model_path, messages=MESSAGES, seed=1, max_completion_tokens=64)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == whole == tokenizer.decode(want["token_ids"], skip_special_tokens=True)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_n2_streams_two_choices_with_usage(server: ServerProcess, model_path: str) -> None:
+    client = server.client()
+    kwargs = dict(model=model_path, messages=MESSAGES, seed=5, max_tokens=12, n=2)
+    whole = client.chat.completions.create(**kwargs)
+    texts, usage = ["", ""], None
+    stream = client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+        usage = chunk.usage or usage
+    assert texts == [c.message.content for c in whole.choices]
+    assert texts[0] != texts[1]
+    assert usage.completion_tokens == whole.usage.completion_tokens == 24
+
+
+def test_chat_logprobs_and_top_logprobs(server: ServerProcess, model_path: str) -> None:
+    got = server.client().chat.completions.create(
+        model=model_path, messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=3
+    )
+    content = got.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
+        assert entry.logprob <= 0
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(
+    server: ServerProcess, model_path: str
+) -> None:
+    got = server.client().chat.completions.create(model=model_path, messages=MESSAGES)
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.total_tokens == MAX_KV_TOKENS
+
+
+def test_chat_errors(server: ServerProcess, model_path: str) -> None:
+    def post(body: dict) -> httpx.Response:
+        return server.post("/v1/chat/completions", json={"model": model_path, **body})
+
+    assert post({"messages": []}).status_code == 400
+    assert post({"messages": [{"role": "wizard", "content": "hi"}]}).status_code == 400
+    assert post({"messages": MESSAGES, "top_logprobs": 2}).status_code == 400
+    too_long = [{"role": "user", "content": "猫 " * MAX_KV_TOKENS}]
+    response = post({"messages": too_long, "stream": True})
+    assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
+    assert post({"messages": MESSAGES, "max_tokens": 1}).status_code == 200
+
+
+def test_chat_template_bos_is_not_doubled() -> None:
+    """A template that writes the BOS itself gets exactly one."""
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_PATH))
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    request = TokenizeRequest(0, SamplingParams(), messages=[{"role": "user", "content": "Hi"}])
+    ids = prompt_ids(tokenizer, request)
+    assert ids[0] == tokenizer.bos_token_id and tokenizer.bos_token_id not in ids[1:]
