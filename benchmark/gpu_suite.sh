@@ -13,6 +13,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/.site:${PYTHONPATH:-}"
 if [ -d .whl ] && [ ! -d .site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
 fi
+# the console script, for the test that runs it (no network: nothing else is fetched)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$OUT/summary.log"
 git log -1 --format='commit %H %s' 2>/dev/null | tee -a "$OUT/summary.log"
 
@@ -41,7 +43,9 @@ for part in "$@"; do
     ablations)
       step no_graph 240 python3 benchmark/offline/bench.py --skip-hf --no-cuda-graph
       step no_overlap 240 python3 benchmark/offline/bench.py --skip-hf --no-overlap ;;
-    tests) MINISGL_TEST_DEVICE=cuda step tests 280 python3 -m pytest -q --maxfail=5 --durations=10 -p no:cacheprovider tests ;;
+    tests)  # four workers (the image has pytest-xdist), a module per worker, failures listed last
+      MINISGL_TEST_DEVICE=cuda step tests 420 python3 -m pytest -q -rf -n 4 --dist loadfile \
+        --timeout 300 --durations=10 -p no:cacheprovider tests ;;
     tests-engine)  # everything but the server processes
       MINISGL_TEST_DEVICE=cuda step tests_engine 330 python3 -m pytest -q -x -p no:cacheprovider tests \
         --ignore-glob='tests/test_server*' --ignore=tests/test_shell.py ;;

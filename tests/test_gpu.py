@@ -23,23 +23,21 @@ def test_bf16_fast_paths_agree_with_the_bf16_reference(checkpoint) -> None:
     prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 300))] for _ in range(24)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(
-        str(path), dtype="bfloat16", attention_backend="torch", cuda_graph_max_bs=0, overlap=False
-    )
-    fast = LLM(str(path), dtype="bfloat16")  # triton attention, CUDA graphs, overlap
+        str(path), dtype="bfloat16", max_kv_tokens=16384, attention_backend="torch",
+        cuda_graph_max_bs=0, overlap=False,
+    )  # fmt: skip
+    fast = LLM(str(path), dtype="bfloat16", max_kv_tokens=16384)  # triton, CUDA graphs, overlap
     want = [o["token_ids"] for o in plain.generate(prompts, sp, use_tqdm=False)]
     got = [o["token_ids"] for o in fast.generate(prompts, sp, use_tqdm=False)]
     hf = hf_model(path)
-    same = 0
     for prompt, a, b in zip(prompts, got, want, strict=True):
         if a == b:
-            same += 1
             continue
         i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + b[:i]], device=hf.device)).logits[0, -1]
         top2 = logits.topk(2).values
         assert float(top2[0] - top2[1]) < BF16_NEAR_TIE, f"token {i}: {a[i]} vs {b[i]}"
-    assert same >= len(prompts) // 2
 
 
 def test_dummy_weights_in_the_qwen3_06b_shape_generate() -> None:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.engine import EngineConfig
 from minisgl.kvcache import PREFIX_CACHES
 from minisgl.scheduler import SchedulerConfig
@@ -31,6 +32,10 @@ _CONFIG_OPTIONS: dict[str, list[tuple[type, str]]] = {
     "max_kv_tokens": [(EngineConfig, "max_kv_tokens")],
     "chunk_size": [(SchedulerConfig, "chunk_size")],
     "cache": [(SchedulerConfig, "cache")],
+    "attention_backend": [(EngineConfig, "attention_backend")],
+    "cuda_graph_max_bs": [(EngineConfig, "cuda_graph_max_bs")],
+    "overlap": [(SchedulerConfig, "overlap")],
+    "dummy_weights": [(EngineConfig, "dummy_weights")],
 }
 
 
@@ -82,6 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunk-size", "prefill tokens per step; longer prompts are prefilled in chunks", type=int
     )
     config_option("--cache", "prefix cache policy", choices=PREFIX_CACHES.names())
+    config_option(
+        "--attention-backend", "attention kernels", choices=["auto", *ATTENTION_BACKENDS.names()]
+    )
+    config_option(
+        "--cuda-graph-max-bs",
+        "largest decode batch replayed from a CUDA graph; 0 turns graphs off "
+        "(default: --max-running-requests on cuda)",
+        type=int,
+    )
+    config_option(
+        "--overlap",
+        "build step k+1 on the CPU while the GPU runs step k (--no-overlap: one after the other)",
+        action=argparse.BooleanOptionalAction,
+    )
+    config_option(
+        "--dummy-weights",
+        "random weights in the checkpoint's shape (a directory with only config.json and the "
+        "tokenizer is enough): for speed measurements",
+        action="store_true",
+    )
     p.add_argument(
         "--api-key",
         help="clients must send `Authorization: Bearer <key>` to /v1 routes (default: none)",
