@@ -85,6 +85,21 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def check_prompt(prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int) -> None:
+    """Raise ValueError unless the prompt can be served: non-empty, known token ids, and room in
+    the context for at least one generated token."""
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) >= max_seq_len:
+        raise ValueError(
+            f"this model's maximum context length is {max_seq_len} tokens; the prompt has "
+            f"{len(prompt_ids)}, leaving no room for a generated token"
+        )
+    bad = next((t for t in prompt_ids if not _is_int(t) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+
+
 @dataclass(eq=False)
 class Req:
     """One request. Owned and advanced by the scheduler only."""

@@ -66,6 +66,7 @@ class SchedulerLimits:
     """Sent once by scheduler rank 0 when every rank is ready; forwarded to the API server."""
 
     max_seq_len: int  # prompt + output tokens of one request, at most
+    vocab_size: int
 
 
 @_wire

@@ -24,7 +24,7 @@ def expected(llm: LLM) -> list[int]:
     ("prompts", "match"),
     [
         ([[]], "empty"),
-        ([[1] * 256], "context holds 256"),
+        ([[1] * 256], "maximum context length is 256"),
         ([GOOD + [512]], "outside the vocabulary"),
         ([GOOD + [-1]], "outside the vocabulary"),
         ([GOOD, []], "empty"),  # one bad prompt in a list: nothing of the list runs

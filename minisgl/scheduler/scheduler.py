@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from minisgl.core import Batch, FinishReason, Req, SamplingParams, build_batch
+from minisgl.core import Batch, FinishReason, Req, SamplingParams, build_batch, check_prompt
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.kvcache import KVCacheManager
 from minisgl.utils import init_logger
@@ -89,18 +89,7 @@ class Scheduler:
         """Raise ValueError unless the request can be served."""
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
-        if len(prompt_ids) == 0:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_seq_len}, "
-                f"so at most {self.max_seq_len - 1} leave room for one generated token"
-            )
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
         if params.stop and self.stop_checker.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
 

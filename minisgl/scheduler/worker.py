@@ -118,7 +118,7 @@ def _serve_primary(worker: SchedulerWorker, addresses: Addresses) -> None:
     inbox = bind_pull(ctx, addresses.scheduler)
     followers = [connect_push(ctx, address) for address in addresses.followers]
     outbox = connect_push(ctx, addresses.tokenizer)
-    send(outbox, SchedulerLimits(worker.scheduler.max_seq_len))
+    send(outbox, SchedulerLimits(worker.scheduler.max_seq_len, worker.scheduler.vocab_size))
     while True:
         messages = recv_all(inbox, block=not worker.scheduler.has_work)
         for follower in followers:

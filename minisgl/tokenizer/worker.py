@@ -11,6 +11,7 @@ import jinja2
 import zmq
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from minisgl.core import check_prompt
 from minisgl.messages import (
     AbortRequest,
     AddRequest,
@@ -83,11 +84,8 @@ class TokenizerWorker:
         assert self.limits is not None, "the API server admits requests only once ready"
         try:
             ids = prompt_ids(self.tokenizer, request)
-            if len(ids) >= self.limits.max_seq_len:
-                raise ValueError(
-                    f"this model's maximum context length is {self.limits.max_seq_len} tokens; "
-                    f"the prompt has {len(ids)}, leaving no room for a generated token"
-                )
+            # rejected here, before queuing, by the scheduler's own rule
+            check_prompt(ids, self.limits.max_seq_len, self.limits.vocab_size)
         except ValueError as e:
             send(self.to_api, TextOutputs([], [ReqError(request.rid, str(e))]))
             return
