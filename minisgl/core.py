@@ -109,7 +109,6 @@ class Req:
     params: SamplingParams
     seed: int  # the sampling seed: params.seed, or one drawn at arrival
     output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     slot: int = -1
     cached_len: int = 0
     device_len: int = 0

@@ -59,6 +59,16 @@ class Setup:
         tokens = torch.zeros_like(self.page_table)
         return build_batch(reqs, prefix_lens, [extend_len] * self.bs, self.page_table, tokens)[0]
 
+    def kernel_args(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """The pool and per-request arguments both attention kernels take after q."""
+        return (
+            self.pool.k_cache(0),
+            self.pool.v_cache(0),
+            self.page_table,
+            batch.slots,
+            batch.seq_lens,
+        )
+
     def backend(self, name: str) -> AttentionBackend:
         return create_attention_backend(name, self.pool, self.page_table)
 
@@ -89,13 +99,7 @@ def bench_decode(
     q = torch.randn(setup.bs, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
     check_against_torch(setup, batch, q)
     splits = splits or decode_num_splits(setup.bs, KV_HEADS, q.device)
-    args = (
-        setup.pool.k_cache(0),
-        setup.pool.v_cache(0),
-        setup.page_table,
-        batch.slots,
-        batch.seq_lens,
-    )
+    args = setup.kernel_args(batch)
     seconds = do_bench_cudagraph(lambda: decode_attention(q, *args, splits)) * 1e-3
     bytes_per_s = 2 * sum(setup.ctx_lens) * KV_HEADS * HEAD_DIM * dtype.itemsize / seconds
     return [
@@ -115,13 +119,7 @@ def bench_extend(setup: Setup, dtype: torch.dtype) -> list[str]:
     backend = setup.backend("triton")
     backend.prepare(batch)
     meta = batch.attn_metadata
-    args = (
-        setup.pool.k_cache(0),
-        setup.pool.v_cache(0),
-        setup.page_table,
-        batch.slots,
-        batch.seq_lens,
-    )
+    args = setup.kernel_args(batch)
     blocks = (batch.cu_seqlens_q, meta.block_req, meta.block_start)
     seconds = do_bench_cudagraph(lambda: extend_attention(q, *args, *blocks)) * 1e-3
     keys_seen = sum(

@@ -159,10 +159,6 @@ class Engine:
             done.record()
         return ForwardOutput(out, host, done)
 
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":

@@ -155,7 +155,6 @@ class Scheduler:
                     )
                 )
                 logprob = (float(host.logprobs[i]), top)
-                req.output_logprobs.append(logprob)
             finish = self.stop_checker.check(req)
             if finish is not None:
                 self._finish(req, *finish)
