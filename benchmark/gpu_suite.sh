@@ -3,7 +3,7 @@
 # Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
 #
 #   benchmark/gpu_suite.sh PART...
-#   PART: kernels latency bench bench-hf profile latency-profile cprofile ablations tests
+#   PART: kernels gemv latency bench bench-hf profile latency-profile cprofile ablations tests
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
 set -uo pipefail
@@ -32,6 +32,7 @@ step() {  # step NAME TIMEOUT CMD...: run, keep the log, put the table's tail in
 for part in "$@"; do
   case $part in
     kernels) step kernels 240 python3 benchmark/kernel/bench_attention.py ;;
+    gemv) step gemv 240 python3 benchmark/kernel/bench_gemv.py --json "$OUT/gemv.json" ;;
     latency) step latency 240 python3 benchmark/offline/latency.py ;;
     bench) step bench 300 python3 benchmark/offline/bench.py --skip-hf ;;
     bench-hf) step bench_hf 300 python3 benchmark/offline/bench.py --json "$OUT/bench_hf.json" ;;
@@ -44,7 +45,7 @@ for part in "$@"; do
       step no_graph 240 python3 benchmark/offline/bench.py --skip-hf --no-cuda-graph
       step no_overlap 240 python3 benchmark/offline/bench.py --skip-hf --no-overlap ;;
     tests)  # four workers (the image has pytest-xdist), a module per worker, failures listed last
-      MINISGL_TEST_DEVICE=cuda step tests 420 python3 -m pytest -q -rf -n 4 --dist loadfile \
+      MINISGL_TEST_DEVICE=cuda step tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -rf -n 4 --dist loadfile \
         --timeout 300 --durations=10 -p no:cacheprovider tests ;;
     tests-engine)  # everything but the server processes
       MINISGL_TEST_DEVICE=cuda step tests_engine 330 python3 -m pytest -q -x -p no:cacheprovider tests \

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from minisgl.utils import pack_to_device
+from minisgl.utils import pack_to_device, ragged_arange, repeat_each
 
 if TYPE_CHECKING:
     from minisgl.attention import AttentionBackend
@@ -191,9 +191,9 @@ def build_batch(
     is_decode = cu_seqlens[-1] == len(reqs)
     if is_decode:
         token_slots, positions = slots, prefix_lens
-    else:
-        token_slots = [s for s, n in zip(slots, extend_lens, strict=True) for _ in range(n)]
-        positions = [p for s, e in zip(prefix_lens, seq_lens, strict=True) for p in range(s, e)]
+    else:  # thousands of tokens: built in bulk, not with a Python step per token
+        token_slots = repeat_each(slots, extend_lens)
+        positions = ragged_arange(prefix_lens, extend_lens)
     t = pack_to_device(
         page_table.device,
         torch.int32,

@@ -12,11 +12,11 @@ import argparse
 import random
 
 import torch
-from triton.testing import do_bench_cudagraph
+from triton.testing import do_bench, do_bench_cudagraph
 
 from minisgl.attention import AttentionBackend, create_attention_backend
 from minisgl.core import Batch, Req, SamplingParams, build_batch
-from minisgl.kernel.triton import decode_attention, decode_num_splits, extend_attention
+from minisgl.kernel.triton import decode_attention, decode_num_splits, extend_attention, num_sms
 from minisgl.kvcache import KVPool
 
 QO_HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
@@ -74,10 +74,10 @@ class Setup:
 
 
 def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device copy, timed like the kernels."""
+    """Bytes read + written per second by a 1 GiB device copy (median of event-timed runs)."""
     src = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / (do_bench_cudagraph(lambda: dst.copy_(src)) * 1e-3)
+    return 2 * src.numel() / (do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
 
 
 def check_against_torch(setup: Setup, batch: Batch, q: torch.Tensor) -> None:
@@ -98,7 +98,7 @@ def bench_decode(
     batch = setup.batch(1)
     q = torch.randn(setup.bs, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
     check_against_torch(setup, batch, q)
-    splits = splits or decode_num_splits(setup.bs, KV_HEADS, q.device)
+    splits = splits or decode_num_splits(setup.bs, KV_HEADS, num_sms(q.device))
     args = setup.kernel_args(batch)
     seconds = do_bench_cudagraph(lambda: decode_attention(q, *args, splits)) * 1e-3
     bytes_per_s = 2 * sum(setup.ctx_lens) * KV_HEADS * HEAD_DIM * dtype.itemsize / seconds
@@ -151,6 +151,7 @@ def main() -> None:
     rng = random.Random(0)
     for bs in (64, 256):
         setup = Setup([rng.randint(100, 2048) for _ in range(bs)], args.page_size, dtype)
+        row(["decode", str(bs), "100-2048", *bench_decode(setup, dtype, copy_bw)])  # default
         for splits in RAGGED_SPLITS:
             row(["decode", str(bs), "100-2048", *bench_decode(setup, dtype, copy_bw, splits)])
 

@@ -14,6 +14,7 @@ import argparse
 import gc
 import statistics
 import traceback
+from collections import Counter
 from contextlib import nullcontext
 from typing import Any
 
@@ -30,6 +31,7 @@ from common import (
     print_table,
     result_row,
     timed,
+    triton_compiles,
     write_json,
 )
 from torch.autograd import DeviceType
@@ -40,7 +42,9 @@ from minisgl.llm import LLM
 from minisgl.utils import cached_load_hf_config, resolve_device, resolve_dtype
 
 GOAL_SHARE = 0.75  # the issue's goal: 75 % of the floor (about 27,000 tok/s on an H200)
-TOP_KERNELS = 15
+TOP_KERNELS = 30
+STEP_END = "_sample_kernel"  # the last kernel of a step (temperature sampling)
+PREFILL_KERNEL = "_extend_kernel"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -124,10 +128,12 @@ def run_minisgl(
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     prof = profile(activities=[activity]) if args.profile else None
     steps_before = llm.scheduler.stats.steps
-    with prof or nullcontext():
+    with prof or nullcontext(), triton_compiles() as compiles:
         results, seconds = timed(
             lambda: llm.generate(workload.prompts, params, use_tqdm=False), device
         )
+    if compiles:
+        print(f"Triton kernel builds inside the timed run: {dict(compiles)}")
     name = "minisgl (profiled)" if args.profile else "minisgl"
     output_tokens = sum(len(r["token_ids"]) for r in results)
     steps = llm.scheduler.stats.steps - steps_before
@@ -163,7 +169,53 @@ def top_kernels(prof: profile, device: torch.device, seconds: float, steps: int)
         "busy_ms_per_step": busy_us / 1e3 / steps,
         "busy_%_of_wall": 100 * busy_us / 1e6 / seconds,
     }
-    return {"kernels": kernels, "per_step": per_step}
+    profile_summary = {"kernels": kernels, "per_step": per_step}
+    if device.type == "cuda":
+        profile_summary["steps_by_kind"], profile_summary["idle"] = step_timeline(prof)
+    return profile_summary
+
+
+def step_timeline(prof: profile) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """GPU time per step, split into prefill steps (with an extend-attention launch) and decode
+    steps: a step's kernels end with the sampling kernel. `gap` is the idle time before a step's
+    first kernel, `span - busy` the idle time inside steps: both are time the GPU waited for the
+    host. Second result: the inside-step idle time summed by the kernel that ended it."""
+    kernels = sorted(
+        (e.start_ns(), e.duration_ns(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0
+    )
+    steps: list[list[tuple[int, int, str]]] = [[]]
+    for kernel in kernels:
+        steps[-1].append(kernel)
+        if STEP_END in kernel[2]:
+            steps.append([])
+    steps = [s for s in steps if s]
+    totals: dict[str, dict[str, float]] = {}
+    idle_before: Counter[tuple[str, str]] = Counter()
+    previous_end = None
+    for step in steps:
+        kind = "prefill" if any(PREFILL_KERNEL in name for _, _, name in step) else "decode"
+        t = totals.setdefault(kind, {"steps": 0, "busy_ms": 0.0, "span_ms": 0.0, "gap_ms": 0.0})
+        end = step[0][0]
+        for start, duration, name in step:
+            idle_before[kind, name] += max(0, start - end) / 1e6
+            end = max(end, start + duration)
+        t["steps"] += 1
+        t["busy_ms"] += sum(duration for _, duration, _ in step) / 1e6
+        t["span_ms"] += (end - step[0][0]) / 1e6
+        if previous_end is not None:
+            t["gap_ms"] += max(0, step[0][0] - previous_end) / 1e6
+        previous_end = end
+    by_kind = [
+        {"kind": kind, **t, **{f"{k}_per_step": t[k] / t["steps"] for k in ("busy_ms", "gap_ms")}}
+        for kind, t in totals.items()
+    ]
+    idle = [
+        {"kind": kind, "idle before kernel": name[:60], "idle_ms": ms}
+        for (kind, name), ms in idle_before.most_common(TOP_KERNELS // 3)
+    ]
+    return by_kind, idle
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -227,6 +279,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print()
         print_table(payload["profile"]["kernels"])
         print_table([payload["profile"]["per_step"]])
+        if "steps_by_kind" in payload["profile"]:
+            print_table(payload["profile"]["steps_by_kind"])
+            print_table(payload["profile"]["idle"])
         write_json(args.json, payload)
     return payload
 

@@ -10,7 +10,9 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,29 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     result = fn()
     synchronize(device)
     return result, time.perf_counter() - start
+
+
+@contextmanager
+def triton_compiles() -> Iterator[Counter[str]]:
+    """Counts Triton kernel builds inside the block by kernel name and kind: 'compiled' (JIT) or
+    'disk cache' (loaded from Triton's on-disk cache). Any inside a timed run means build time was
+    timed."""
+    counts: Counter[str] = Counter()
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton, or one older than its compilation listener (3.4)
+        yield counts
+        return
+
+    def listener(*, src: Any, cache_hit: bool, **_: Any) -> None:
+        counts[f"{getattr(src, 'name', src)} ({'disk cache' if cache_hit else 'compiled'})"] += 1
+
+    previous = knobs.compilation.listener
+    knobs.compilation.listener = listener
+    try:
+        yield counts
+    finally:
+        knobs.compilation.listener = previous
 
 
 def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 10) -> float:

@@ -19,6 +19,7 @@ from common import (
     model_bytes,
     print_table,
     timed,
+    triton_compiles,
     write_json,
 )
 
@@ -62,8 +63,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     llm = build_llm(args, max_running_requests=1)
 
     generate_seconds(llm, prompts[0], 16)  # warm-up
-    ttft = statistics.median(generate_seconds(llm, p, 1)[1] for p in prompts[1 : 1 + n])
-    runs = [generate_seconds(llm, p, args.output_len) for p in prompts[1 + n :]]
+    with triton_compiles() as compiles:
+        ttft = statistics.median(generate_seconds(llm, p, 1)[1] for p in prompts[1 : 1 + n])
+        runs = [generate_seconds(llm, p, args.output_len) for p in prompts[1 + n :]]
+    if compiles:
+        print(f"Triton kernel builds inside the timed runs: {dict(compiles)}")
     output_tokens = runs[0][0]
     total = statistics.median(seconds for _, seconds in runs)
     # the first token costs what a one-token request costs; the rest is decode

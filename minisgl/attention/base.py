@@ -14,6 +14,10 @@ class AttentionBackend(ABC):
     `prepare` for metadata of its own), register a name.
     """
 
+    # whether a decode step can be captured in a CUDA graph: no host reads of batch tensors and
+    # no shape that depends on the batch's contents
+    supports_cuda_graph = True
+
     def __init__(self, pool: KVPool, page_table: torch.Tensor) -> None:
         self.pool = pool
         self.page_table = page_table  # read-only here; the KV cache manager writes it

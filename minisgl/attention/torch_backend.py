@@ -9,7 +9,10 @@ from .base import AttentionBackend
 
 class TorchBackend(AttentionBackend):
     """The reference: gathers each request's K/V through the page table and runs SDPA with a causal
-    mask placed at the request's absolute positions. One request at a time; clear, not fast."""
+    mask placed at the request's absolute positions. One request at a time; clear, not fast.
+    Its loop reads the batch's lengths on the host, so a CUDA graph cannot capture it."""
+
+    supports_cuda_graph = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch

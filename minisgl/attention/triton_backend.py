@@ -9,8 +9,9 @@ from minisgl.kernel.triton import (
     decode_num_splits,
     extend_attention,
     extend_blocks,
+    num_sms,
 )
-from minisgl.utils import to_device
+from minisgl.utils import pack_to_device
 
 from .base import AttentionBackend
 
@@ -31,8 +32,11 @@ class TritonBackend(AttentionBackend):
     def prepare(self, batch: Batch) -> None:
         if batch.is_decode:
             return
-        blocks = to_device(extend_blocks(batch.extend_lens), self.page_table.device)
-        batch.attn_metadata = ExtendMetadata(block_req=blocks[0], block_start=blocks[1])
+        block_req, block_start = extend_blocks(batch.extend_lens)
+        t = pack_to_device(
+            self.page_table.device, torch.int32, block_req=block_req, block_start=block_start
+        )
+        batch.attn_metadata = ExtendMetadata(block_req=t["block_req"], block_start=t["block_start"])
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
@@ -40,7 +44,7 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
         store_kv(k_cache, v_cache, batch.out_loc, k, v)
         if batch.is_decode:
-            num_splits = decode_num_splits(q.shape[0], k_cache.shape[1], q.device)
+            num_splits = decode_num_splits(q.shape[0], k_cache.shape[1], num_sms(q.device))
             return decode_attention(
                 q, k_cache, v_cache, self.page_table, batch.slots, batch.seq_lens, num_splits
             )

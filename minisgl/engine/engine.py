@@ -91,6 +91,9 @@ class Engine:
         max_bs = config.cuda_graph_max_bs
         if max_bs is None:
             max_bs = config.max_running_requests if self.device.type == "cuda" else 0
+        if max_bs > 0 and self.device.type == "cuda" and not self.attn_backend.supports_cuda_graph:
+            logger.warning("the %s attention backend runs without CUDA graphs", backend)
+            max_bs = 0
         self.graph_runner = None
         if max_bs > 0:
             self.graph_runner = GraphRunner(

@@ -40,6 +40,7 @@ class SamplingArgs:
     built when some request samples (an all-greedy batch needs just the argmax)."""
 
     all_greedy: bool
+    any_greedy: bool = True
     num_logprobs: int = -1  # top logprobs to return per row (0: only the sampled token's), -1: none
     use_top_k_top_p: bool = False
     use_min_p: bool = False
@@ -93,6 +94,7 @@ class Sampler:
         )
         return SamplingArgs(
             all_greedy=False,
+            any_greedy=any(greedy),
             num_logprobs=num_logprobs,
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sampling),
             use_min_p=any(p.min_p > 0 for p in sampling),
@@ -102,10 +104,12 @@ class Sampler:
         )
 
     def sample(self, logits: torch.Tensor, args: SamplingArgs) -> SampleOutput:
-        tokens = logits.argmax(dim=-1).to(torch.int32)
-        if not args.all_greedy:
-            sampled = self._sample_stochastic(logits, args)
-            tokens = torch.where(args.greedy, tokens, sampled.to(torch.int32))
+        if args.all_greedy:
+            tokens = logits.argmax(dim=-1).to(torch.int32)
+        else:
+            tokens = self._sample_stochastic(logits, args).to(torch.int32)
+            if args.any_greedy:
+                tokens = torch.where(args.greedy, logits.argmax(dim=-1).to(torch.int32), tokens)
         out = SampleOutput(tokens)
         if args.num_logprobs >= 0:
             logprobs = torch.log_softmax(logits.float(), dim=-1)

@@ -60,7 +60,7 @@ def apply_rope_inplace(
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; a small decode batch on a GPU takes the Triton GEMV (it streams W faster)."""
     ops = _ops_for(x)
-    if ops is torch_ops or x.dim() != 2 or x.shape[0] > ops.GEMV_MAX_ROWS:
+    if ops is torch_ops or x.dim() != 2 or not ops.use_gemv(x.shape[0], weight.shape[0]):
         return torch_ops.linear(x, weight, bias)
     return ops.linear(x, weight, bias)
 

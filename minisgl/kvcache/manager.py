@@ -3,7 +3,7 @@ from typing import Any
 
 import torch
 
-from minisgl.utils import Registry, to_device
+from minisgl.utils import Registry, host_tensor, ragged_arange, to_device
 
 from .allocator import PageAllocator
 from .prefix_cache import NaiveCache, PrefixCache
@@ -31,9 +31,11 @@ class KVCacheManager:
         self._pages: dict[int, list[int]] = {}  # slot -> its pages, in position order
         self._handles: dict[int, Any] = {}  # slot -> locked prefix-cache handle
         self._shared: dict[int, int] = {}  # slot -> leading pages it got from the prefix cache
-        # (slots, first positions, pages) assigned since the last flush
-        self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])
-        self._offsets = torch.arange(page_size, device=page_table.device)
+        # assigned since the last flush: runs (slot, index of the run's first page in the slot,
+        # page count) and all their pages, in order
+        self._pending_runs: list[tuple[int, int, int]] = []
+        self._pending_pages: list[int] = []
+        self._offsets = torch.arange(page_size)  # a page's token offsets, on the host
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -89,11 +91,11 @@ class KVCacheManager:
         short = total - self.allocator.num_free
         if short > 0:
             self.allocator.free(self.prefix_cache.evict(short))
-        pages = self.allocator.alloc(total)
+        pages, start = self.allocator.alloc(total), 0
         for slot, need in needs:
             if need:
-                self._assign(slot, pages[:need])
-                del pages[:need]
+                self._assign(slot, pages[start : start + need])
+                start += need
         return True
 
     def cache_prefix(self, slot: int, ids: Sequence[int]) -> None:
@@ -119,27 +121,25 @@ class KVCacheManager:
 
     def _assign(self, slot: int, pages: list[int]) -> None:
         """Append pages to the slot; their page-table entries are written at the next flush()."""
-        first = len(self._pages[slot])
+        self._pending_runs.append((slot, len(self._pages[slot]), len(pages)))
+        self._pending_pages += pages
         self._pages[slot] += pages
-        slots, starts, new_pages = self._pending
-        slots += [slot] * len(pages)
-        starts += range(
-            first * self.page_size, (first + len(pages)) * self.page_size, self.page_size
-        )
-        new_pages += pages
 
     def flush(self) -> None:
         """Write every page assigned since the last flush into the page table, in one launch.
         (No position is assigned twice between flushes: a slot only ever grows within a step.)"""
-        if not self._pending[0]:
+        runs, pages = self._pending_runs, self._pending_pages
+        self._pending_runs, self._pending_pages = [], []
+        if not pages:
             return
-        host = torch.tensor(self._pending, dtype=torch.int64)
-        self._pending = ([], [], [])
-        rows, starts, pages = to_device(host, self.page_table.device)
-        cols = starts[:, None] + self._offsets
-        self.page_table[rows[:, None], cols] = (
-            pages[:, None] * self.page_size + self._offsets
-        ).int()
+        ps, width = self.page_size, self.page_table.shape[1]
+        # a run's pages cover consecutive positions of one row: a range of the flattened table
+        starts = [slot * width + first * ps for slot, first, _ in runs]
+        entries = ragged_arange(starts, [count * ps for _, _, count in runs])
+        # pool locations, [pages, page_size]
+        locs = host_tensor(pages, torch.int64)[:, None] * ps + self._offsets
+        entries, locs = to_device(torch.stack([entries, locs.flatten()]), self.page_table.device)
+        self.page_table.view(-1)[entries] = locs.int()
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:

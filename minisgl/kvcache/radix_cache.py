@@ -39,12 +39,18 @@ class RadixCache(PrefixCache):
 
     def _common_pages(self, node: RadixNode, ids: Sequence[int], start: int) -> int:
         """How many whole pages of node.key equal ids[start:]."""
-        ps, n = self.page_size, 0
-        while (n + 1) * ps <= len(node.key) and start + (n + 1) * ps <= len(ids):
-            if tuple(ids[start + n * ps : start + (n + 1) * ps]) != node.key[n * ps : (n + 1) * ps]:
-                break
-            n += 1
-        return n
+        ps = self.page_size
+
+        def equal(num_pages: int) -> bool:  # one slice comparison in C, whatever its length
+            return tuple(ids[start : start + num_pages * ps]) == node.key[: num_pages * ps]
+
+        lo, hi = 0, min(len(node.key), len(ids) - start) // ps
+        if equal(hi):  # the usual case: the whole edge matches
+            return hi
+        while lo < hi - 1:  # bisect: equal(lo) holds, equal(hi) does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if equal(mid) else (lo, mid)
+        return lo
 
     def _walk(self, ids: Sequence[int]) -> tuple[RadixNode, list[int], int]:
         """Follow ids down the tree, splitting a node where the match ends inside it.
@@ -88,7 +94,11 @@ class RadixCache(PrefixCache):
         ps = self.page_size
         assert len(ids) == len(pages) * ps, "insert whole pages only"
         node, cached, pos = self._walk(ids)
-        duplicates = [mine for mine, theirs in zip(pages, cached, strict=False) if mine != theirs]
+        mine = pages[: len(cached)]
+        # pages of a prefix the cache already held; usually none (the slot got its prefix from here)
+        duplicates = (
+            [] if mine == cached else [p for p, c in zip(mine, cached, strict=True) if p != c]
+        )
         if pos < len(ids):
             leaf = RadixNode(tuple(ids[pos:]), pages[pos // ps :])
             leaf.parent, leaf.last_access = node, node.last_access

@@ -1,6 +1,8 @@
+import itertools
+
 import torch
 
-from minisgl.utils import to_device
+from minisgl.utils import host_tensor, ragged_arange, to_device
 
 
 class TokenTable:
@@ -35,12 +37,15 @@ class TokenTable:
     def flush(self) -> None:
         if not self._pending:
             return
-        rows = [slot for slot, _, ids in self._pending for _ in ids]
-        cols = [start + i for _, start, ids in self._pending for i in range(len(ids))]
-        values = [t for _, _, ids in self._pending for t in ids]
+        width = self.table.shape[1]
+        # each write fills consecutive entries of one row: a range of the flattened table
+        starts = [slot * width + start for slot, start, _ in self._pending]
+        entries = ragged_arange(starts, [len(ids) for _, _, ids in self._pending])
+        token_ids = list(itertools.chain.from_iterable(ids for _, _, ids in self._pending))
+        host = torch.stack([entries, host_tensor(token_ids, torch.int64)])
         self._pending.clear()
-        host = to_device(torch.tensor([rows, cols, values], dtype=torch.int64), self.device)
-        self.table[host[0], host[1]] = host[2].int()
+        entries, values = to_device(host, self.device)
+        self.table.view(-1)[entries] = values.int()
 
     def scatter(self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> None:
         self.table[slots, positions] = ids

@@ -2,7 +2,16 @@ from .hf import DEFAULT_MODEL_PATH, cached_load_hf_config, load_eos_token_ids, r
 from .logger import init_logger
 from .misc import div_ceil, div_even
 from .registry import Registry
-from .torch_utils import pack_to_device, resolve_device, resolve_dtype, to_device, torch_dtype
+from .torch_utils import (
+    host_tensor,
+    pack_to_device,
+    ragged_arange,
+    repeat_each,
+    resolve_device,
+    resolve_dtype,
+    to_device,
+    torch_dtype,
+)
 
 __all__ = [
     "DEFAULT_MODEL_PATH",
@@ -10,9 +19,12 @@ __all__ = [
     "cached_load_hf_config",
     "div_ceil",
     "div_even",
+    "host_tensor",
     "init_logger",
     "load_eos_token_ids",
     "pack_to_device",
+    "ragged_arange",
+    "repeat_each",
     "resolve_device",
     "resolve_dtype",
     "resolve_model_path",

@@ -1,6 +1,7 @@
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 
@@ -17,7 +18,7 @@ def torch_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -46,10 +47,49 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+# Host-side index math runs in numpy: on arrays of a few thousand ints, a numpy op costs a
+# fraction of a torch op's dispatch overhead, and it converts long lists of ints faster.
+_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+
+
+def host_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of Python numbers."""
+    return torch.from_numpy(np.fromiter(values, _NUMPY_DTYPES[dtype], count=len(values)))
+
+
+def repeat_each(values: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+    """values[i] repeated counts[i] times, back to back (CPU int64)."""
+    return torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), counts))
+
+
+def ragged_arange(starts: Sequence[int], lens: Sequence[int]) -> torch.Tensor:
+    """The ranges [starts[i], starts[i] + lens[i]) back to back (CPU int64), without a Python loop
+    over their elements."""
+    lens_np = np.array(lens, dtype=np.int64)
+    # output index k in range i holds starts[i] + (k - lens before range i)
+    shifts = np.array(starts, dtype=np.int64) - (np.cumsum(lens_np) - lens_np)
+    return torch.from_numpy(np.arange(lens_np.sum()) + np.repeat(shifts, lens_np))
+
+
 def pack_to_device(
-    device: torch.device, dtype: torch.dtype, **columns: list[int] | list[float]
+    device: torch.device,
+    dtype: torch.dtype,
+    **columns: Sequence[int] | Sequence[float] | torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """Copy several host lists to the device in one transfer; returns a view per name."""
-    flat = [x for values in columns.values() for x in values]
-    packed = to_device(torch.tensor(flat, dtype=dtype), device)
-    return dict(zip(columns, packed.split([len(v) for v in columns.values()]), strict=True))
+    """Copy several host columns (lists or CPU tensors) to the device in one transfer; returns a
+    view per name.
+
+    Each view starts 16-byte aligned: Triton compiles a kernel variant per pointer alignment, so
+    unaligned views would make new batch sizes compile new variants while serving."""
+    align = 16 // dtype.itemsize
+    views, end = {}, 0
+    for name, values in columns.items():
+        views[name] = slice(end, end + len(values))
+        end += len(values) + -len(values) % align
+    host = torch.zeros(end, dtype=dtype)
+    for name, values in columns.items():
+        host[views[name]] = (
+            values if isinstance(values, torch.Tensor) else host_tensor(values, dtype)
+        )
+    packed = to_device(host, device)
+    return {name: packed[view] for name, view in views.items()}

@@ -3,17 +3,15 @@
 `triton` attention backend."""
 
 from .activation import silu_and_mul
-from .decode_attention import decode_attention, decode_num_splits
+from .decode_attention import decode_attention, decode_num_splits, num_sms
 from .extend_attention import extend_attention, extend_blocks
-from .gemv import MAX_ROWS as GEMV_MAX_ROWS
-from .gemv import linear
+from .gemv import linear, use_gemv
 from .norm import fused_add_rmsnorm, rmsnorm
 from .rope import apply_rope_inplace
 from .sampling import sample_temperature
 from .store_kv import store_kv
 
 __all__ = [
-    "GEMV_MAX_ROWS",
     "apply_rope_inplace",
     "decode_attention",
     "decode_num_splits",
@@ -21,8 +19,10 @@ __all__ = [
     "extend_blocks",
     "fused_add_rmsnorm",
     "linear",
+    "num_sms",
     "rmsnorm",
     "sample_temperature",
     "silu_and_mul",
     "store_kv",
+    "use_gemv",
 ]

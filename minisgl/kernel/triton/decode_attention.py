@@ -1,15 +1,18 @@
 """Paged decode attention: one new token per request, K/V read through the page table, split-K.
 
     one request's keys, at pool locations page_table[slot, 0:seq_len]
-    |<-- split 0 -->|<-- split 1 -->|<-- split 2 -->| ... |<- split S-1 ->|
-    split_len = ceil(seq_len / S) rounded up to BLOCK_N; trailing splits may be empty
+    |<-- split 0 -->|<-- split 1 -->| ... |<- last used split ->|  (unused splits)
+    split_len = ceil(seq_len / S) rounded up to BLOCK_N, so a short request uses fewer splits
 
     stage 1, program (req, kv_head, split): the GROUP query heads of kv_head attend to the split's
-             keys (K/V read once per group) -> partial output o_s and its log2-sum-exp lse_s
-    stage 2, program (req, head): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max)
+             keys (K/V read once per group) -> partial output o_s and its log2-sum-exp lse_s;
+             a request that needs one split writes its output directly
+    stage 2, program (req, head): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max),
+             over the request's used splits
 
 S depends on the batch size only: a CUDA graph replays the same grid and scratch buffers with new
-seq_lens, so every split derives its token range from seq_lens inside the kernel.
+seq_lens, so every split derives its token range from seq_lens inside the kernel; programs past a
+request's used splits do nothing. With S = 1 (a batch that fills the GPU) stage 2 is not launched.
 """
 
 import functools
@@ -22,22 +25,33 @@ import triton.language as tl
 from .attention_block import attend_block, dot_block
 
 _BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
-_PROGRAMS_PER_SM = 16  # measured on an H200: ragged contexts want a few splits even at bs 256
+_PROGRAMS_PER_SM = 16  # programs a small batch is split into, per SM
 _MAX_SPLITS = 32
+_FULL_PROGRAMS_PER_SM = 4  # a batch with this many (request, KV head) programs per SM fills it
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per request: a few programs per SM when the batch is small, 1 once the batch fills
-    the GPU by itself. A function of the batch size only (see the module docstring)."""
-    wanted = _PROGRAMS_PER_SM * _num_sms(device)
-    return max(1, min(_MAX_SPLITS, triton.cdiv(wanted, batch_size * num_kv_heads)))
+def decode_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
+    """Splits per request: a small batch is cut into enough programs to occupy every SM; a batch
+    that fills the GPU by itself takes one split (measured on an H200 with bench_attention.py:
+    more splits of a ragged batch of 256 gain ~1 % in stage 1 and lose more to stage 2). A
+    function of the batch size only (see the module docstring); sms: the device's multiprocessors."""
+    programs = batch_size * num_kv_heads
+    if programs >= _FULL_PROGRAMS_PER_SM * sms:
+        return 1
+    return max(1, min(_MAX_SPLITS, triton.cdiv(_PROGRAMS_PER_SM * sms, programs)))
+
+
+@triton.jit
+def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of a request of seq_len keys; it uses cdiv(seq_len, split_len) splits."""
+    return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -50,9 +64,12 @@ def _split_kernel(
     seq_lens_ptr,
     mid_o_ptr,  # [bs, qo_heads, NUM_SPLITS, BLOCK_D] fp32
     mid_lse_ptr,  # [bs, qo_heads, NUM_SPLITS] fp32
+    o_ptr,  # [bs, qo_heads, HEAD_DIM]: written here when the request uses one split
     qk_scale,
     stride_q_tok,
     stride_q_head,
+    stride_o_tok,
+    stride_o_head,
     stride_k_loc,
     stride_k_head,
     stride_v_loc,
@@ -68,8 +85,9 @@ def _split_kernel(
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     slot = tl.load(slots_ptr + req).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    num_used = tl.cdiv(seq_len, split_len)
+    start = split * split_len  # past seq_len for an unused split: no keys, nothing stored
     end = tl.minimum(start + split_len, seq_len)
 
     h = tl.arange(0, BLOCK_H)
@@ -94,40 +112,48 @@ def _split_kernel(
             stride_k_loc, stride_v_loc, d, d_mask, qk_scale,
         )  # fmt: skip
 
-    # an empty split (start >= seq_len) keeps m_i = -inf, l_i = 0: output 0, lse -inf (weight 0)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = m_i + tl.log2(l_safe)
-    qo_heads = tl.num_programs(1) * GROUP
-    row = (req * qo_heads + heads) * NUM_SPLITS + split
-    tl.store(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=head_mask[:, None])
-    tl.store(mid_lse_ptr + row, lse, mask=head_mask)
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only an unused split (stores nothing) has no keys
+    out = acc / l_i[:, None]
+    if num_used == 1:
+        if split == 0:
+            o_ptrs = o_ptr + req * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
+            o_mask = head_mask[:, None] & d_mask[None, :]
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+    elif split < num_used:
+        qo_heads = tl.num_programs(1) * GROUP
+        row = (req * qo_heads + heads) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=head_mask[:, None])
+        tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
 
 
 @triton.jit
 def _reduce_kernel(
     mid_o_ptr,
     mid_lse_ptr,
+    seq_lens_ptr,
     o_ptr,
     stride_o_tok,
     stride_o_head,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     req, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    row = (req * num_heads + head) * NUM_SPLITS + s
-    lse = tl.load(mid_lse_ptr + row, mask=s < NUM_SPLITS, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 always holds keys, so the max is finite
-    partial = tl.load(
-        mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=(s < NUM_SPLITS)[:, None]
-    )
-    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
-    o_ptrs = o_ptr + req * stride_o_tok + head * stride_o_head + d
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+    if num_used > 1:  # else stage 1 wrote the output
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        used = s < num_used
+        row = (req * num_heads + head) * NUM_SPLITS + s
+        lse = tl.load(mid_lse_ptr + row, mask=used, other=float("-inf"))
+        weight = tl.exp2(lse - tl.max(lse, 0))
+        partial = tl.load(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=used[:, None])
+        out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+        o_ptrs = o_ptr + req * stride_o_tok + head * stride_o_head + d
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def decode_attention(
@@ -148,19 +174,20 @@ def decode_attention(
     block_d = dot_block(head_dim)
     mid_o = torch.empty((bs, qo_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, qo_heads, num_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
     _split_kernel[(bs, kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, slots, seq_lens, mid_o, mid_lse,
+        q, k_cache, v_cache, page_table, slots, seq_lens, mid_o, mid_lse, out,
         head_dim**-0.5 * math.log2(math.e),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
         BLOCK_H=dot_block(group), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
         num_warps=4, num_stages=2,
     )  # fmt: skip
-    out = torch.empty_like(q)
-    _reduce_kernel[(bs, qo_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_kernel[(bs, qo_heads)](
+            mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_N=_BLOCK_N,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        )  # fmt: skip
     return out

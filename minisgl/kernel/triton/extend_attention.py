@@ -81,10 +81,11 @@ def _extend_kernel(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-def extend_blocks(extend_lens: list[int]) -> torch.Tensor:
-    """[2, num_blocks] int32 on the host: (request, first new-token index) of each q block."""
+def extend_blocks(extend_lens: list[int]) -> tuple[list[int], list[int]]:
+    """(request, first new-token index) of each q block, as two lists."""
     blocks = [(i, s) for i, n in enumerate(extend_lens) for s in range(0, n, EXTEND_BLOCK_M)]
-    return torch.tensor(blocks, dtype=torch.int32).reshape(-1, 2).T.contiguous()
+    block_req, block_start = zip(*blocks, strict=True) if blocks else ((), ())
+    return list(block_req), list(block_start)
 
 
 def extend_attention(

@@ -1,18 +1,27 @@
-"""y = x @ W^T (+ b) for a handful of rows: the matmul of a small decode batch, which only has to
-stream W once. cuBLAS picks GEMM tiles for it and reaches a third of the memory bandwidth on an
-H200; here each program owns a few output features and reads their rows of W in wide, contiguous
-chunks, with enough programs to keep every SM loading.
+"""y = x @ W^T (+ b) for one or two rows: the matmul of a tiny decode batch, which only has to
+stream W once. cuBLAS picks GEMM tiles for it and, on the Qwen3-0.6B layer shapes on an H200,
+reads W at 330-2,100 GB/s; here each program owns a few output features and reads their rows of W
+in wide, contiguous chunks, with enough programs to keep every SM loading.
 
     W [N, K]:  | rows n0..n0+BLOCK_N (one program) | ...      x [M, K] is re-read from cache
+
+Products are summed into a [BLOCK_N, BLOCK_K] fp32 tile and reduced across K once at the end, so
+the loop body is loads and multiply-adds only.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # beyond this a GEMM's tiles pay off
-_BLOCK_K = 512
-_MIN_PROGRAMS = 256  # about two per SM on an H200
+_FEW_FEATURES = 2048  # o_proj and down_proj of Qwen3-0.6B: 1024 output features
+
+
+class GemvConfig(NamedTuple):
+    block_n: int  # output features per program
+    block_k: int  # elements of each W row loaded per iteration
+    num_warps: int
 
 
 @triton.jit
@@ -24,27 +33,47 @@ def _gemv_kernel(
     n_mask = n < N
     k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_w
-    for row in tl.static_range(ROWS):
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row in tl.static_range(ROWS):  # a second row re-reads W from L2
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_mask = k0 + k < K
             w = tl.load(w_rows + k0 + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             x = tl.load(x_ptr + row * stride_x + k0 + k, mask=k_mask, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, 1)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+            y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_y + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for x of at most MAX_ROWS rows ([rows, K], last dimension contiguous)."""
+def use_gemv(rows: int, n: int) -> bool:
+    """Where this kernel beats cuBLAS (bench_gemv.py on an H200, Qwen3-0.6B shapes): one row,
+    and two rows of a matrix with few output features (cuBLAS leaves most SMs idle on those)."""
+    return rows == 1 or (rows == 2 and n <= _FEW_FEATURES)
+
+
+def default_config(n: int, k: int) -> GemvConfig:
+    """The tile for W [n, k], from bench_gemv.py's sweep on an H200 (one row): with few output
+    features, long rows per program keep enough bytes in flight; with many, more programs do."""
+    block_n, block_k, num_warps = (2, 2048, 8) if n <= _FEW_FEATURES else (8, 512, 4)
+    return GemvConfig(block_n, min(block_k, max(16, triton.next_power_of_2(k))), num_warps)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """F.linear for x of a few rows ([rows, K], last dimension contiguous)."""
     rows, k = x.shape
     n = weight.shape[0]
-    assert rows <= MAX_ROWS and weight.stride(1) == 1 and x.stride(1) == 1
+    assert weight.stride(1) == 1 and x.stride(1) == 1
+    block_n, block_k, num_warps = config or default_config(n, k)
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_n = max(1, min(16, triton.next_power_of_2(triton.cdiv(n, _MIN_PROGRAMS))))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        ROWS=rows, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=4,
+        ROWS=rows, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps,
     )  # fmt: skip
     return y

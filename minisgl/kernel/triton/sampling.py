@@ -1,50 +1,67 @@
-"""Temperature sampling in one kernel: a row of logits is read twice and nothing else is written.
+"""Temperature sampling in two kernels, each row's logits read about once, split across programs:
 
-    pass 1: online max m and sum S of exp(x / T - m) over the row (softmax's normaliser)
-    pass 2: the first token whose running sum of exp(x / T - m) reaches u * S
+    stage 1, program (row, chunk): the chunk's max m_c, its sum S_c of exp(x / T - m_c) and its
+             most likely token
+    stage 2, program (row): the chunks' sums rescaled to the row's max m give the row's sum S and
+             a running sum over chunks; the chunk where it reaches u * S is scanned for the first
+             token whose running sum of exp(x / T - m) reaches u * S
 
 which is inverse-CDF sampling from softmax(x / T) with the caller's uniform number u, the same
 rule as torch_ops.sample_temperature (it may differ only where u falls on a boundary between two
-tokens, as fp32 sums in another order can).
+tokens, as fp32 sums in another order can; if rounding keeps every sum below u * S, the most likely
+token is taken).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-_MAX_BLOCK = 4096
+_CHUNK = 4096  # logits per stage-1 program: one load of 8 KiB (bf16) per program
+
+
+@triton.jit
+def _chunk_stats_kernel(
+    logits_ptr, temperatures_ptr, max_ptr, sum_ptr, best_ptr, stride_row, vocab,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(
+        logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < vocab, other=-float("inf")
+    )
+    x = x.to(tl.float32) / tl.load(temperatures_ptr + row)
+    m = tl.max(x, 0)
+    out = row * num_chunks + chunk
+    tl.store(max_ptr + out, m)
+    tl.store(sum_ptr + out, tl.sum(tl.exp(x - m), 0))
+    tl.store(best_ptr + out, chunk * CHUNK + tl.argmax(x, 0))
 
 
 @triton.jit
 def _sample_kernel(
-    logits_ptr, temperatures_ptr, uniforms_ptr, out_ptr, stride_row, vocab, BLOCK: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    inv_t = 1.0 / tl.load(temperatures_ptr + row)
-    offs = tl.arange(0, BLOCK)
-    m = -float("inf")
-    total = 0.0
-    best = 0  # the most likely token: the answer if rounding keeps the sum below u * S
-    for start in range(0, vocab, BLOCK):
-        x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=-float("inf"))
-        x = x.to(tl.float32) * inv_t
-        block_max = tl.max(x, 0)
-        best = tl.where(block_max > m, start + tl.argmax(x, 0), best)
-        m_new = tl.maximum(m, block_max)
-        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-        m = m_new
-    target = tl.load(uniforms_ptr + row) * total
-    running = 0.0
-    token = -1
-    for start in range(0, vocab, BLOCK):
-        x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=-float("inf"))
-        p = tl.exp(x.to(tl.float32) * inv_t - m)
-        reached = (running + tl.cumsum(p, 0) >= target) & (start + offs < vocab)
-        first = tl.min(tl.where(reached, start + offs, vocab), 0)
-        token = tl.where((token < 0) & (first < vocab), first, token)
-        running += tl.sum(p, 0)
-    tl.store(out_ptr + row, tl.where(token < 0, best, token).to(tl.int32))
+    logits_ptr, temperatures_ptr, uniforms_ptr, max_ptr, sum_ptr, best_ptr, out_ptr, stride_row,
+    vocab, num_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK_C)
+    stats = row * num_chunks + c
+    chunk_max = tl.load(max_ptr + stats, mask=c < num_chunks, other=-float("inf"))
+    m = tl.max(chunk_max, 0)
+    best = tl.load(best_ptr + row * num_chunks + tl.argmax(chunk_max, 0))
+    weights = tl.load(sum_ptr + stats, mask=c < num_chunks, other=0.0) * tl.exp(chunk_max - m)
+    target = tl.load(uniforms_ptr + row) * tl.sum(weights, 0)
+    after = tl.cumsum(weights, 0)  # running sum up to and including each chunk
+    # no chunk reaching the target (rounding) scans the last one, which then fails over to best
+    chunk = tl.min(tl.where((after >= target) & (c < num_chunks), c, num_chunks - 1), 0)
+    before = tl.sum(tl.where(c < chunk, weights, 0.0), 0)
+
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    in_row = offs < vocab
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=in_row, other=-float("inf"))
+    p = tl.exp(x.to(tl.float32) / tl.load(temperatures_ptr + row) - m)
+    reached = (before + tl.cumsum(p, 0) >= target) & in_row
+    token = tl.min(tl.where(reached, offs, vocab), 0)
+    tl.store(out_ptr + row, tl.where(token < vocab, token, best).to(tl.int32))
 
 
 def sample_temperature(
@@ -53,9 +70,19 @@ def sample_temperature(
     """Sample one token per row of logits [bs, vocab] from softmax(logits / temperature), with
     the uniform numbers given per row (in (0, 1)). Returns [bs] int32."""
     bs, vocab = logits.shape
-    out = torch.empty(bs, dtype=torch.int32, device=logits.device)
-    block = min(_MAX_BLOCK, triton.next_power_of_2(vocab))
-    _sample_kernel[(bs,)](
-        logits, temperatures, uniforms, out, logits.stride(0), vocab, BLOCK=block, num_warps=8
+    chunk = min(_CHUNK, triton.next_power_of_2(vocab))
+    num_chunks = triton.cdiv(vocab, chunk)
+    chunk_max, chunk_sum = (
+        torch.empty((bs, num_chunks), dtype=torch.float32, device=logits.device) for _ in range(2)
     )
+    chunk_best = torch.empty((bs, num_chunks), dtype=torch.int32, device=logits.device)
+    _chunk_stats_kernel[(bs, num_chunks)](
+        logits, temperatures, chunk_max, chunk_sum, chunk_best, logits.stride(0), vocab,
+        CHUNK=chunk, num_warps=8,
+    )  # fmt: skip
+    out = torch.empty(bs, dtype=torch.int32, device=logits.device)
+    _sample_kernel[(bs,)](
+        logits, temperatures, uniforms, chunk_max, chunk_sum, chunk_best, out, logits.stride(0),
+        vocab, num_chunks, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=8,
+    )  # fmt: skip
     return out

@@ -1,0 +1,100 @@
+"""Small-batch GEMV (minisgl.kernel.triton.gemv) on the Qwen3-0.6B linear shapes, next to cuBLAS
+(F.linear) and the device's copy bandwidth: the default tile, and with --sweep a sweep of tiles at
+one row (how the default was chosen).
+
+Each measurement runs the shape's matmul over 28 distinct weights (one per layer, as a decode step
+does; the LM head has one), inside a CUDA graph, so W streams from HBM and not from L2. The figure
+is GB/s of W read.
+
+    python benchmark/kernel/bench_gemv.py            # bf16 (H200)
+    python benchmark/kernel/bench_gemv.py --json out.json
+"""
+
+import argparse
+import itertools
+import json
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench_attention import copy_bandwidth
+from triton.testing import do_bench_cudagraph
+
+from minisgl.kernel.triton.gemv import GemvConfig, default_config, linear
+
+NUM_LAYERS = 28
+SHAPES = {  # name: (N, K, copies)
+    "qkv_proj": (4096, 1024, NUM_LAYERS),
+    "o_proj": (1024, 2048, NUM_LAYERS),
+    "gate_up_proj": (6144, 1024, NUM_LAYERS),
+    "down_proj": (1024, 3072, NUM_LAYERS),
+    "lm_head": (151936, 1024, 1),
+}
+SWEEP = [
+    GemvConfig(block_n, block_k, num_warps)
+    for block_n, block_k, num_warps in itertools.product(
+        (1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8)
+    )
+    if 1024 <= block_n * block_k <= 32768
+]
+
+
+def time_us(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+) -> float:
+    """Microseconds for one pass of fn(x, w) over every weight."""
+    return do_bench_cudagraph(lambda: [fn(x, w) for w in weights]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--json", help="also write every measurement here")
+    parser.add_argument("--sweep", action="store_true", help="also time a sweep of tiles (1 row)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_gemv: no CUDA device, nothing to measure (the kernel needs a GPU)")
+        return
+    dtype = getattr(torch, args.dtype)
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {args.dtype}")
+    results: list[dict] = []
+
+    def record(shape: str, rows: int, kernel: str, us: float, nbytes: int) -> None:
+        gbs = nbytes / us / 1e3
+        results.append({"shape": shape, "rows": rows, "kernel": kernel, "us": us, "GB/s": gbs})
+        print(f"{shape:>13} {rows:>4} {kernel:>26} {us:>9.1f} us {gbs:>7.0f} GB/s "
+              f"{gbs * 1e9 / copy_bw:>5.0%}")  # fmt: skip
+
+    for shape, (n, k, copies) in SHAPES.items():
+        weights = [torch.randn(n, k, dtype=dtype, device="cuda") / k**0.5 for _ in range(copies)]
+        nbytes = copies * n * k * dtype.itemsize
+        for rows in (1, 2, 4):
+            x = torch.randn(rows, k, dtype=dtype, device="cuda")
+            want = F.linear(x, weights[0]).float()
+            error = (linear(x, weights[0]).float() - want).abs().max().item()
+            assert error < 0.05, f"{shape} rows {rows}: max error {error}"
+            record(shape, rows, "cuBLAS", time_us(F.linear, x, weights), nbytes)
+            record(shape, rows, f"default {tuple(default_config(n, k))}",
+                   time_us(linear, x, weights), nbytes)  # fmt: skip
+        if not args.sweep:
+            continue
+        x = torch.randn(1, k, dtype=dtype, device="cuda")
+        sweep = []
+        for config in SWEEP:
+            if config.block_k > 2 * k:
+                continue
+            us = time_us(partial(linear, config=config), x, weights)
+            sweep.append((us, config))
+        for us, config in sorted(sweep)[:5]:
+            record(shape, 1, f"sweep {tuple(config)}", us, nbytes)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
