@@ -225,3 +225,27 @@ def test_random_arrivals_aborts_and_preemption_keep_the_pool_consistent(
             assert tokens == expected[rid][: len(tokens)]
     kv = scheduler.kv
     assert kv.allocator.num_free + len(kv.prefix_cache.cached_pages()) == kv.num_pages
+
+
+def test_repeated_seeded_requests_sample_the_same_tokens_with_graphs_and_overlap_on_or_off(
+    model_path,
+) -> None:
+    """The server's sequence in test_server_chat (one request, then the same prompt with another
+    seed three times): every repeat samples the same 64 tokens, from the same cached prefix, and
+    CUDA graphs and overlap scheduling do not change them."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(512) for _ in range(30)]
+    sampled = {}
+    for options in (
+        {"cuda_graph_max_bs": 16},  # captured graphs on a GPU, their CPU twin on the CPU
+        {"cuda_graph_max_bs": 16, "overlap": False},
+        {"cuda_graph_max_bs": 0},
+    ):
+        llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=512, **options)
+        first = SamplingParams(seed=11, max_tokens=20, ignore_eos=True)
+        llm.generate([prompt], first, use_tqdm=False)
+        repeat = SamplingParams(seed=1, max_tokens=64, ignore_eos=True)
+        runs = [llm.generate([prompt], repeat, use_tqdm=False)[0]["token_ids"] for _ in range(3)]
+        assert runs[1] == runs[0] and runs[2] == runs[0], options
+        sampled[str(options)] = runs[0]
+    assert len({tuple(tokens) for tokens in sampled.values()}) == 1, sampled
