@@ -11,7 +11,7 @@ import torch
 
 from minisgl.core import Batch
 from minisgl.kernel import sample_temperature
-from minisgl.kernel.torch_ops import inverse_cdf
+from minisgl.kernel.torch_ops import inverse_cdf, row_cumsum
 from minisgl.utils import pack_to_device
 
 _MASK32 = 0xFFFFFFFF
@@ -135,7 +135,7 @@ def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     reaches top_p (the most likely token always stays)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    mass_before = row_cumsum(sorted_probs) - sorted_probs
     drop = (rank >= top_k[:, None]) | (mass_before > top_p[:, None])
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

@@ -88,10 +88,20 @@ def store_kv(
     v_cache[out_loc] = v.view(-1, *v_cache.shape[1:])
 
 
+def row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """cumsum over the last dimension of [rows, n], the same bits on every run. CUDA scans a
+    tensor of one row with CUB's decoupled look-back, whose float sums depend on the order in
+    which blocks finish (pytorch/pytorch#75240), while the rows of a 2-D scan are each summed in a
+    fixed order: so a lone row is scanned as two."""
+    if x.is_cuda and x.shape[0] == 1:
+        return x.expand(2, -1).cumsum(dim=-1)[:1]
+    return x.cumsum(dim=-1)
+
+
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row, the first index where the running sum of probs reaches uniforms * the row's sum.
     A token of probability 0 is never picked (uniforms are in (0, 1))."""
-    cdf = probs.cumsum(dim=-1)  # fp32 sums of non-negative numbers never decrease: stays sorted
+    cdf = row_cumsum(probs)  # fp32 sums of non-negative numbers never decrease: stays sorted
     total = cdf[:, -1:]
     return torch.searchsorted(cdf, torch.minimum(uniforms[:, None] * total, total)).squeeze(1)
 
