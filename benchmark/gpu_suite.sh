@@ -3,7 +3,8 @@
 # Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
 #
 #   benchmark/gpu_suite.sh PART...
-#   PART: kernels gemv latency bench bench-hf profile latency-profile cprofile ablations tests
+#   PART: kernels gemv latency bench bench-hf profile latency-profile cprofile ablations pdl tests
+#         tests-engine
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
 set -uo pipefail
@@ -29,6 +30,11 @@ step() {  # step NAME TIMEOUT CMD...: run, keep the log, put the table's tail in
   echo "=== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.log"
 }
 
+without_pdl() {  # programmatic dependent launch off, against the bench and latency parts
+  step no_pdl 240 env MINISGL_PDL=0 python3 benchmark/offline/bench.py --skip-hf
+  step latency_no_pdl 240 env MINISGL_PDL=0 python3 benchmark/offline/latency.py
+}
+
 for part in "$@"; do
   case $part in
     kernels) step kernels 240 python3 benchmark/kernel/bench_attention.py ;;
@@ -43,7 +49,9 @@ for part in "$@"; do
         --min-len 256 --max-len 512 ;;
     ablations)
       step no_graph 240 python3 benchmark/offline/bench.py --skip-hf --no-cuda-graph
-      step no_overlap 240 python3 benchmark/offline/bench.py --skip-hf --no-overlap ;;
+      step no_overlap 240 python3 benchmark/offline/bench.py --skip-hf --no-overlap
+      without_pdl ;;
+    pdl) without_pdl ;;
     tests)  # four workers (the image has pytest-xdist), a module per worker, failures listed last
       MINISGL_TEST_DEVICE=cuda step tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -rf -n 4 --dist loadfile \
         --timeout 300 --durations=10 -p no:cacheprovider tests ;;

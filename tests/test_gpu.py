@@ -1,5 +1,6 @@
 """Checks that only make sense on a GPU (MINISGL_TEST_DEVICE=cuda): bf16 fast paths against the
-bf16 reference path, and the dummy-weight Qwen3-0.6B shape the benchmarks use."""
+bf16 reference path, programmatic dependent launch on and off, and the dummy-weight Qwen3-0.6B
+shape the benchmarks use."""
 
 import random
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.kernel.triton.pdl import use_pdl
 
 from .conftest import DEVICE, QWEN3_TOKENIZER, hf_model
 
@@ -38,6 +40,25 @@ def test_bf16_fast_paths_agree_with_the_bf16_reference(checkpoint) -> None:
             logits = hf(torch.tensor([prompt + b[:i]], device=hf.device)).logits[0, -1]
         top2 = logits.topk(2).values
         assert float(top2[0] - top2[1]) < BF16_NEAR_TIE, f"token {i}: {a[i]} vs {b[i]}"
+
+
+def test_programmatic_dependent_launch_changes_no_token(checkpoint, monkeypatch) -> None:
+    path = checkpoint("qwen3", max_position_embeddings=1024)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 300))] for _ in range(12)]
+    sp = SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True, seed=3)
+    tokens = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("MINISGL_PDL", switch)
+        use_pdl.cache_clear()
+        llm = LLM(str(path), dtype="bfloat16", max_kv_tokens=16384)  # graphs and overlap on
+        tokens[switch] = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert use_pdl(llm.engine.device) == (hopper and switch == "1")
+        del llm
+    use_pdl.cache_clear()
+    # the same kernels in the same order: only when each starts changes, so not one bit may
+    assert tokens["1"] == tokens["0"]
 
 
 def test_dummy_weights_in_the_qwen3_06b_shape_generate() -> None:

@@ -2,11 +2,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, wait_for_previous
+
 _MAX_BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -26,6 +31,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x_rows, out_rows = x.view(-1, 2 * n), out.view(-1, n)
     block = min(_MAX_BLOCK, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(x_rows.shape[0], triton.cdiv(n, block))](
-        x_rows, out_rows, x_rows.stride(0), out_rows.stride(0), n, BLOCK=block
+        x_rows,
+        out_rows,
+        x_rows.stride(0),
+        out_rows.stride(0),
+        n,
+        BLOCK=block,
+        **pdl_args(x.device),
     )
     return out

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .attention_block import attend_block, dot_block
+from .pdl import pdl_args, wait_for_previous
 
 _BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
 _PROGRAMS_PER_SM = 16
@@ -79,7 +80,9 @@ def _split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     slot = tl.load(slots_ptr + req).to(tl.int64)
@@ -137,7 +140,9 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     req, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     seq_len = tl.load(seq_lens_ptr + req)
     num_used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
@@ -180,12 +185,13 @@ def decode_attention(
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
         BLOCK_H=dot_block(group), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_args(q.device),
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(bs, qo_heads)](
             mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_N=_BLOCK_N,
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            **pdl_args(q.device),
         )  # fmt: skip
     return out

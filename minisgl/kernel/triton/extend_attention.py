@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .attention_block import attend_block, dot_block
+from .pdl import pdl_args, wait_for_previous
 
 EXTEND_BLOCK_M = 64  # new tokens per program; the host-side block map is built in these units
 
@@ -43,7 +44,9 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     block, head = tl.program_id(0), tl.program_id(1)
     kv_head = head // GROUP
     req = tl.load(block_req_ptr + block)
@@ -113,6 +116,6 @@ def extend_attention(
         GROUP=qo_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=EXTEND_BLOCK_M,
         BLOCK_D=dot_block(head_dim),
         BLOCK_N=64 if q.element_size() == 2 else 32,  # fp32 tiles take twice the shared memory
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_args(q.device),
     )  # fmt: skip
     return out

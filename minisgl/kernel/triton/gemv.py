@@ -6,7 +6,8 @@ in wide, contiguous chunks, with enough programs to keep every SM loading.
     W [N, K]:  | rows n0..n0+BLOCK_N (one program) | ...      x [M, K] is re-read from cache
 
 Products are summed into a [BLOCK_N, BLOCK_K] fp32 tile and reduced across K once at the end, so
-the loop body is loads and multiply-adds only.
+the loop body is loads and multiply-adds only. The first tile of W is loaded before waiting for the
+previous kernel (see pdl.py): those loads overlap its tail.
 """
 
 from typing import NamedTuple
@@ -14,6 +15,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from .pdl import pdl_args, wait_for_previous
 
 _FEW_FEATURES = 2048  # o_proj and down_proj of Qwen3-0.6B: 1024 output features
 
@@ -28,14 +31,18 @@ class GemvConfig(NamedTuple):
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_x, stride_w, stride_y,
     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_w
-    for row in tl.static_range(ROWS):  # a second row re-reads W from L2
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+    w_first = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+    wait_for_previous(USE_PDL)
+    for row in tl.static_range(ROWS):  # a second row re-reads W (after the first tile) from L2
+        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0)
+        acc = w_first.to(tl.float32) * x.to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k_mask = k0 + k < K
             w = tl.load(w_rows + k0 + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             x = tl.load(x_ptr + row * stride_x + k0 + k, mask=k_mask, other=0.0)
@@ -74,6 +81,6 @@ def linear(
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
         ROWS=rows, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return y

@@ -2,6 +2,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, wait_for_previous
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -16,10 +18,13 @@ def _rmsnorm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    weight = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
+    wait_for_previous(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual_ptrs = residual_ptr + row * stride_residual + cols
@@ -29,7 +34,6 @@ def _rmsnorm_kernel(
     xf = x.to(tl.float32)
     normed = xf * tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
     # the reference rounds to the input dtype before the weight multiply (as Hugging Face does)
-    weight = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
     y = normed.to(x.dtype).to(tl.float32) * weight
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -49,6 +53,7 @@ def _launch(
         x_rows, residual_rows, weight, out_rows,
         x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0), n, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(8, max(1, block // 256)),
+        **pdl_args(x.device),
     )  # fmt: skip
 
 

@@ -2,6 +2,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, wait_for_previous
+
 
 @triton.jit
 def _mul(a, b):
@@ -56,7 +58,9 @@ def _rope_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -97,4 +101,5 @@ def apply_rope_inplace(
         q.shape[1], k.shape[1],
         HALF=half, HAS_NORM=qk_norm is not None, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+        **pdl_args(q.device),
     )  # fmt: skip

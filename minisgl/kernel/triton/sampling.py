@@ -16,14 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, wait_for_previous
+
 _CHUNK = 4096  # logits per stage-1 program: one load of 8 KiB (bf16) per program
 
 
 @triton.jit
 def _chunk_stats_kernel(
     logits_ptr, temperatures_ptr, max_ptr, sum_ptr, best_ptr, stride_row, vocab,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(
@@ -40,8 +43,9 @@ def _chunk_stats_kernel(
 @triton.jit
 def _sample_kernel(
     logits_ptr, temperatures_ptr, uniforms_ptr, max_ptr, sum_ptr, best_ptr, out_ptr, stride_row,
-    vocab, num_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+    vocab, num_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     stats = row * num_chunks + c
@@ -78,11 +82,12 @@ def sample_temperature(
     chunk_best = torch.empty((bs, num_chunks), dtype=torch.int32, device=logits.device)
     _chunk_stats_kernel[(bs, num_chunks)](
         logits, temperatures, chunk_max, chunk_sum, chunk_best, logits.stride(0), vocab,
-        CHUNK=chunk, num_warps=8,
+        CHUNK=chunk, num_warps=8, **pdl_args(logits.device),
     )  # fmt: skip
     out = torch.empty(bs, dtype=torch.int32, device=logits.device)
     _sample_kernel[(bs,)](
         logits, temperatures, uniforms, chunk_max, chunk_sum, chunk_best, out, logits.stride(0),
         vocab, num_chunks, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=8,
+        **pdl_args(logits.device),
     )  # fmt: skip
     return out

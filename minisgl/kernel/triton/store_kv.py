@@ -2,6 +2,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, wait_for_previous
+
 _MAX_BLOCK = 1024
 
 
@@ -18,7 +20,9 @@ def _store_kv_kernel(
     stride_v,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     loc = tl.load(out_loc_ptr + token).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -46,5 +50,5 @@ def store_kv(
     _store_kv_kernel[(out_loc.shape[0], triton.cdiv(row, block))](
         k_rows, v_rows, out_loc, k, v,
         k_rows.stride(0), v_rows.stride(0), k.stride(0), v.stride(0),
-        ROW=row, BLOCK=block,
+        ROW=row, BLOCK=block, **pdl_args(k.device),
     )  # fmt: skip
