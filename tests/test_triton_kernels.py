@@ -31,6 +31,7 @@ ELEMENTWISE_TOL = {
     torch.bfloat16: (8e-3, 8e-3),
 }
 HEAD_DIM = 32
+GATED = triton_ops.Prologue(gated_silu=True)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float]) -> None:
@@ -269,6 +270,71 @@ def test_gemv_matches_linear_for_small_batches(rows, dtype):
         )
         # fp32 sums of 700 products: the order differs from the reference, hence a looser atol
         assert_close(triton_ops.linear(x, weight, b), want, (5e-3, ATTENTION_TOL[dtype][1]))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_computes_silu_and_mul_of_its_input_like_the_separate_kernel(rows, dtype):
+    torch.manual_seed(0)
+    gate_up, weight = randn(rows, 2 * 700, dtype=dtype), randn(300, 700, dtype=dtype)
+    config = triton_ops.gemv.GemvConfig(4, 256, 4)  # three tiles of K and a partial one
+    got = triton_ops.linear(gate_up, weight, config=config, prologue=GATED)
+    # the same roundings and the same order of sums: the same bits
+    assert torch.equal(
+        got, triton_ops.linear(triton_ops.silu_and_mul(gate_up), weight, config=config)
+    )
+    want = torch.nn.functional.linear(torch_ops.silu_and_mul(gate_up).float(), weight.float())
+    assert_close(got, want, (5e-3, ATTENTION_TOL[dtype][1]))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_computes_rmsnorm_of_x_plus_residual_and_keeps_the_sum(with_residual, rows, dtype):
+    torch.manual_seed(0)
+    x, residual = randn(rows, 700, dtype=dtype), randn(rows, 700, dtype=dtype)
+    norm_weight, weight = randn(700, dtype=dtype), randn(300, 700, dtype=dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    new_residual = torch.full_like(x, float("nan")) if with_residual else None
+    prologue = triton_ops.Prologue(
+        norm_weight, 1e-6, residual if with_residual else None, new_residual
+    )
+    got = triton_ops.linear(
+        x, weight, config=triton_ops.gemv.GemvConfig(4, 256, 4), prologue=prologue
+    )
+    summed = (x.float() + residual.float()).to(dtype) if with_residual else x
+    if with_residual:
+        assert torch.equal(new_residual, summed)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+    want = torch.nn.functional.linear(
+        torch_ops.rmsnorm(summed, norm_weight, 1e-6).float(), weight.float()
+    )
+    assert_close(got, want, (5e-3, ATTENTION_TOL[dtype][1]))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_dispatched_norm_and_gated_matmuls_equal_the_unfused_ops(rows):
+    """On CPU (and for 5 rows) the ops run one after another, updating x and residual in place as
+    fused_add_rmsnorm does; on a GPU in bf16 one row takes the fused GEMV."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x, residual = randn(rows, 256, dtype=dtype), randn(rows, 256, dtype=dtype)
+    norm_weight, weight = randn(256, dtype=dtype), randn(96, 256, dtype=dtype)
+    summed = (x.float() + residual.float()).to(dtype)
+    want = torch_ops.linear(torch_ops.rmsnorm(summed, norm_weight, 1e-6), weight)
+    y, new_residual = kernel.rmsnorm_linear(x.clone(), residual.clone(), norm_weight, 1e-6, weight)
+    assert torch.equal(new_residual, summed)
+    assert_close(y, want, (5e-2, ATTENTION_TOL[dtype][1]))
+    y, same = kernel.rmsnorm_linear(x, None, norm_weight, 1e-6, weight)
+    assert same is x
+    assert_close(
+        y,
+        torch_ops.linear(torch_ops.rmsnorm(x, norm_weight, 1e-6), weight),
+        (5e-2, ATTENTION_TOL[dtype][1]),
+    )
+    gate_up, down = randn(rows, 512, dtype=dtype), randn(96, 256, dtype=dtype)
+    want = torch_ops.linear(torch_ops.silu_and_mul(gate_up), down)
+    assert_close(kernel.silu_and_mul_linear(gate_up, down), want, (5e-2, ATTENTION_TOL[dtype][1]))
 
 
 def test_dispatch_takes_triton_only_for_cuda_half_tensors():

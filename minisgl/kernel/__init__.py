@@ -57,12 +57,52 @@ def apply_rope_inplace(
     _ops_for(query).apply_rope_inplace(positions, query, key, head_size, cos_sin_cache, qk_norm)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; a small decode batch on a GPU takes the Triton GEMV (it streams W faster)."""
+def _gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+    """The Triton ops where their GEMV serves x @ weight^T (a tiny decode batch on a GPU)."""
     ops = _ops_for(x)
     if ops is torch_ops or x.dim() != 2 or not ops.use_gemv(x.shape[0], weight.shape[0]):
-        return torch_ops.linear(x, weight, bias)
-    return ops.linear(x, weight, bias)
+        return None
+    return ops
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; a small decode batch on a GPU takes the Triton GEMV (it streams W faster)."""
+    ops = _gemv_ops(x, weight)
+    return torch_ops.linear(x, weight, bias) if ops is None else ops.linear(x, weight, bias)
+
+
+def rmsnorm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear(rmsnorm(x + residual)) and the new residual x + residual (x itself when residual
+    is None). Where the GEMV serves, the norm runs inside it: one kernel instead of two, and x and
+    residual are left as they were; else x and residual are updated in place as by
+    fused_add_rmsnorm."""
+    ops = _gemv_ops(x, weight)
+    if ops is None:
+        if residual is None:
+            return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
+        fused_add_rmsnorm(x, residual, norm_weight, eps)
+        return linear(x, weight, bias), residual
+    new_residual = (
+        None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    )
+    prologue = ops.Prologue(norm_weight, eps, residual, new_residual)
+    y = ops.linear(x, weight, bias, prologue=prologue)
+    return y, x if new_residual is None else new_residual
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear(silu_and_mul(x), weight), in one kernel where the GEMV serves."""
+    ops = _gemv_ops(x, weight)
+    if ops is None:
+        return linear(silu_and_mul(x), weight)
+    return ops.linear(x, weight, prologue=ops.Prologue(gated_silu=True))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -94,8 +134,10 @@ __all__ = [
     "indexing",
     "linear",
     "rmsnorm",
+    "rmsnorm_linear",
     "sample_temperature",
     "silu_and_mul",
+    "silu_and_mul_linear",
     "store_kv",
     "torch_ops",
 ]

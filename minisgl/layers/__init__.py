@@ -1,4 +1,3 @@
-from .activation import SiluAndMul
 from .attention import AttentionLayer
 from .base import BaseOP, OPList, StateLessOP
 from .embedding import ParallelLMHead, VocabParallelEmbedding
@@ -26,7 +25,6 @@ __all__ = [
     "RMSNorm",
     "RMSNormFused",
     "RotaryEmbedding",
-    "SiluAndMul",
     "StateLessOP",
     "VocabParallelEmbedding",
     "get_rope",

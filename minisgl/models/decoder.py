@@ -14,7 +14,6 @@ from minisgl.layers import (
     ParallelLMHead,
     RMSNorm,
     RMSNormFused,
-    SiluAndMul,
     VocabParallelEmbedding,
     get_rope,
     local_kv_heads,
@@ -44,19 +43,24 @@ class RopeAttn(BaseOP):
         )
         self.o_proj = LinearOProj(config.num_qo_heads, head_dim, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.o_proj.forward(self.attn.forward(self.qkv_proj.forward(x)))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, input_norm: RMSNormFused
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, residual = self.qkv_proj.forward_normed(input_norm, x, residual)
+        return self.o_proj.forward(self.attn.forward(qkv)), residual
 
 
 class GatedMLP(BaseOP):
     def __init__(self, config: ModelConfig) -> None:
         size = config.intermediate_size
         self.gate_up_proj = LinearColParallelMerged(config.hidden_size, [size, size])
-        self.act_fn = SiluAndMul()
         self.down_proj = LinearRowParallel(size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, input_norm: RMSNormFused
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, residual = self.gate_up_proj.forward_normed(input_norm, x, residual)
+        return self.down_proj.forward(gate_up, gated_silu=True), residual
 
 
 class DecoderLayer(BaseOP):
@@ -69,11 +73,9 @@ class DecoderLayer(BaseOP):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm.forward(x, residual)
-        x = self.self_attn.forward(x)
-        x, residual = self.post_attention_layernorm.forward(x, residual)
-        x = self.mlp.forward(x)
-        return x, residual
+        # each block's input norm runs in its first projection: one kernel for a tiny batch
+        x, residual = self.self_attn.forward(x, residual, self.input_layernorm)
+        return self.mlp.forward(x, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(BaseOP):

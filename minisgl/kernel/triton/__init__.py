@@ -5,13 +5,14 @@
 from .activation import silu_and_mul
 from .decode_attention import decode_attention, decode_num_splits, num_sms
 from .extend_attention import extend_attention, extend_blocks
-from .gemv import linear, use_gemv
+from .gemv import Prologue, linear, use_gemv
 from .norm import fused_add_rmsnorm, rmsnorm
 from .rope import apply_rope_inplace
 from .sampling import sample_temperature
 from .store_kv import store_kv
 
 __all__ = [
+    "Prologue",
     "apply_rope_inplace",
     "decode_attention",
     "decode_num_splits",

@@ -28,10 +28,33 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
+def _input_chunk(
+    x_row, residual_row, norm_w_ptr, k, k_mask, inv_rms, K,
+    GATED_SILU: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """Elements k of the matmul's input, rounded where the unfused kernels round: silu(gate) * up
+    from x_row = [gate | up], or rmsnorm(x + residual) given the row's 1 / rms."""
+    x = tl.load(x_row + k, mask=k_mask, other=0.0)
+    if GATED_SILU:
+        gate = x.to(tl.float32)
+        up = tl.load(x_row + K + k, mask=k_mask, other=0.0).to(tl.float32)
+        x = ((gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32) * up).to(x.dtype)
+    if NORM:
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_row + k, mask=k_mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        weight = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+        x = ((x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * weight).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_x, stride_w, stride_y,
+    x_ptr, w_ptr, b_ptr, y_ptr, residual_ptr, residual_out_ptr, norm_w_ptr, eps,
+    N, K, stride_x, stride_w, stride_y, stride_residual,
     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    GATED_SILU: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -40,12 +63,30 @@ def _gemv_kernel(
     w_first = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
     wait_for_previous(USE_PDL)
     for row in tl.static_range(ROWS):  # a second row re-reads W (after the first tile) from L2
-        x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0)
+        x_row = x_ptr + row * stride_x
+        residual_row = residual_ptr + row * stride_residual
+        inv_rms = 1.0
+        if NORM:  # the whole row first, for its rms; one program keeps x + residual
+            cols = tl.arange(0, BLOCK_ROW)
+            x = tl.load(x_row + cols, mask=cols < K, other=0.0)
+            if HAS_RESIDUAL:
+                residual = tl.load(residual_row + cols, mask=cols < K, other=0.0)
+                x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+                if tl.program_id(0) == 0:
+                    tl.store(residual_out_ptr + row * K + cols, x, mask=cols < K)
+            xf = x.to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
+        x = _input_chunk(
+            x_row, residual_row, norm_w_ptr, k, k < K, inv_rms, K, GATED_SILU, NORM, HAS_RESIDUAL
+        )
         acc = w_first.to(tl.float32) * x.to(tl.float32)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k_mask = k0 + k < K
             w = tl.load(w_rows + k0 + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + row * stride_x + k0 + k, mask=k_mask, other=0.0)
+            x = _input_chunk(
+                x_row, residual_row, norm_w_ptr, k0 + k, k_mask, inv_rms, K,
+                GATED_SILU, NORM, HAS_RESIDUAL,
+            )  # fmt: skip
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, 1)
         if HAS_BIAS:
@@ -66,21 +107,45 @@ def default_config(n: int, k: int) -> GemvConfig:
     return GemvConfig(block_n, min(block_k, max(16, triton.next_power_of_2(k))), num_warps)
 
 
+class Prologue(NamedTuple):
+    """An op fused in front of the matmul, so that its input never goes through memory."""
+
+    norm_weight: torch.Tensor | None = None  # rmsnorm(x [+ residual]) with these weights
+    eps: float = 0.0
+    residual: torch.Tensor | None = None  # added to x first; the sum goes to residual_out
+    residual_out: torch.Tensor | None = None  # [rows, K], contiguous
+    gated_silu: bool = False  # x = [gate | up]: the input is silu(gate) * up
+
+
+_NO_PROLOGUE = Prologue()
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    prologue: Prologue = _NO_PROLOGUE,
 ) -> torch.Tensor:
-    """F.linear for x of a few rows ([rows, K], last dimension contiguous)."""
-    rows, k = x.shape
-    n = weight.shape[0]
+    """F.linear for x of a few rows ([rows, K], last dimension contiguous), after the prologue's
+    op on x."""
+    rows = x.shape[0]
+    n, k = weight.shape
     assert weight.stride(1) == 1 and x.stride(1) == 1
+    assert x.shape[1] == (2 * k if prologue.gated_silu else k)
+    norm, residual, residual_out = prologue.norm_weight, prologue.residual, prologue.residual_out
+    assert (residual is None) == (residual_out is None) and (norm is not None or residual is None)
+    assert residual_out is None or residual_out.is_contiguous()
     block_n, block_k, num_warps = config or default_config(n, k)
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight if bias is None else bias, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, weight if bias is None else bias, y, x if residual is None else residual,
+        x if residual_out is None else residual_out, weight if norm is None else norm,
+        prologue.eps, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        0 if residual is None else residual.stride(0),
         ROWS=rows, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        GATED_SILU=prologue.gated_silu, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK_ROW=triton.next_power_of_2(k) if norm is not None else 1,
         num_warps=num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return y
