@@ -10,7 +10,7 @@ import torch
 from minisgl import kernel
 from minisgl.attention import AttentionBackend, create_attention_backend
 from minisgl.core import Batch, Req, SamplingParams, build_batch
-from minisgl.kernel import torch_ops
+from minisgl.kernel import KVStore, torch_ops
 from minisgl.kernel import triton as triton_ops
 from minisgl.kvcache import KVPool
 from minisgl.llm import LLM
@@ -80,8 +80,11 @@ class PagedKV:
 
 
 def attend(backend: AttentionBackend, batch: Batch, qkv: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    q, k, v = qkv
+    # the attention layer's part: the step's K/V go into the pool first
+    torch_ops.store_kv(backend.pool.k_cache(0), backend.pool.v_cache(0), batch.out_loc, k, v)
     backend.prepare(batch)
-    return backend.forward(*qkv, 0, batch)
+    return backend.forward(q, 0, batch)
 
 
 def new_qkv(batch: Batch, qo_heads: int, kv_heads: int, dtype: torch.dtype):
@@ -147,7 +150,8 @@ def test_decode_runs_on_graph_static_metadata_with_padding_rows(dtype):
     padding = 2
     padded = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens), padding)
     pad = lambda x: torch.cat([x, torch.zeros_like(x[:padding])])
-    got = kv.backend("triton").forward(pad(q), pad(k), pad(v), 0, padded)
+    torch_ops.store_kv(kv.pool.k_cache(0), kv.pool.v_cache(0), padded.out_loc, pad(k), pad(v))
+    got = kv.backend("triton").forward(pad(q), 0, padded)
     assert_close(got[: len(seq_lens)], want, ATTENTION_TOL[dtype])
 
 
@@ -157,15 +161,32 @@ def test_decode_splits_shrink_as_the_batch_grows():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_writes_k_and_v_rows_at_out_loc(dtype):
+def test_rope_writes_the_rotated_keys_and_the_values_into_the_pool(dtype):
     torch.manual_seed(0)
-    want_k, want_v = randn(50, 2, HEAD_DIM, dtype=dtype), randn(50, 2, HEAD_DIM, dtype=dtype)
-    k_cache, v_cache = want_k.clone(), want_v.clone()
-    out_loc = torch.randperm(50, device=DEVICE)[:7].int()
-    k, v = randn(7, 2 * HEAD_DIM, dtype=dtype), randn(7, 2, HEAD_DIM, dtype=dtype)
-    torch_ops.store_kv(want_k, want_v, out_loc, k, v)
-    triton_ops.store_kv(k_cache, v_cache, out_loc, k, v)
-    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    tokens, q_heads, kv_heads, d = 7, 4, 2, HEAD_DIM
+    qkv = randn(tokens, (q_heads + 2 * kv_heads) * d, dtype=dtype)
+    norm = (randn(d, dtype=dtype), randn(d, dtype=dtype), 1e-6)
+    cos_sin = torch.randn(64, d, device=DEVICE)
+    positions = torch.randint(0, 64, (tokens,), dtype=torch.int32, device=DEVICE)
+    out_loc = torch.randperm(50, device=DEVICE)[:tokens].int()
+    pool = randn(2, 50, kv_heads, d, dtype=dtype)
+    untouched = torch.ones(50, dtype=torch.bool, device=DEVICE)
+    untouched[out_loc.long()] = False
+    results = []
+    for ops in (torch_ops, triton_ops):
+        got, (k_cache, v_cache) = qkv.clone(), pool.clone()
+        q, k, v = got.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        kv_store = KVStore(k_cache, v_cache, out_loc, v)
+        ops.apply_rope_inplace(positions, q, k, d, cos_sin, norm, kv_store)
+        assert torch.equal(k_cache[out_loc.long()], k.view(tokens, kv_heads, d))  # rotated keys
+        assert torch.equal(
+            v_cache[out_loc.long()], qkv[:, -kv_heads * d :].view(tokens, kv_heads, d)
+        )
+        assert torch.equal(k_cache[untouched], pool[0][untouched])
+        assert torch.equal(v_cache[untouched], pool[1][untouched])
+        results.append((got, k_cache))
+    assert_close(results[1][0], results[0][0], ELEMENTWISE_TOL[dtype])
+    assert_close(results[1][1], results[0][1], ELEMENTWISE_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

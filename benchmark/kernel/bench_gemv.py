@@ -1,6 +1,7 @@
 """Small-batch GEMV (minisgl.kernel.triton.gemv) on the Qwen3-0.6B linear shapes, next to cuBLAS
 (F.linear) and the device's copy bandwidth: the default tile, and with --sweep a sweep of tiles at
-one row (how the default was chosen).
+one row (how the default was chosen). At one row, the GEMV with the op before it fused in (the
+layer norm, or SiLU-and-mul) against that op's own kernel followed by the GEMV.
 
 Each measurement runs the shape's matmul over 28 distinct weights (one per layer, as a decode step
 does; the LM head has one), inside a CUDA graph, so W streams from HBM and not from L2. The figure
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from bench_attention import copy_bandwidth
 from triton.testing import do_bench_cudagraph
 
-from minisgl.kernel.triton.gemv import GemvConfig, default_config, linear
+from minisgl.kernel.triton import fused_add_rmsnorm, silu_and_mul
+from minisgl.kernel.triton.gemv import GemvConfig, Prologue, default_config, linear
 
 NUM_LAYERS = 28
 SHAPES = {  # name: (N, K, copies)
@@ -32,6 +34,7 @@ SHAPES = {  # name: (N, K, copies)
     "down_proj": (1024, 3072, NUM_LAYERS),
     "lm_head": (151936, 1024, 1),
 }
+FUSED = {"qkv_proj": "rmsnorm", "gate_up_proj": "rmsnorm", "down_proj": "silu_and_mul"}
 SWEEP = [
     GemvConfig(block_n, block_k, num_warps)
     for block_n, block_k, num_warps in itertools.product(
@@ -48,6 +51,24 @@ def time_us(
 ) -> float:
     """Microseconds for one pass of fn(x, w) over every weight."""
     return do_bench_cudagraph(lambda: [fn(x, w) for w in weights]) * 1e3
+
+
+def fused_and_separate(
+    op: str, k: int, dtype: torch.dtype
+) -> tuple[Callable, Callable, torch.Tensor]:
+    """fn(x, w) with `op` inside the GEMV, the same with op's own kernel first, and x."""
+    if op == "silu_and_mul":
+        gated = Prologue(gated_silu=True)
+        x = torch.randn(1, 2 * k, dtype=dtype, device="cuda")
+        return partial(linear, prologue=gated), lambda x, w: linear(silu_and_mul(x), w), x
+    residual, norm_weight = (torch.randn(1, k, dtype=dtype, device="cuda") for _ in range(2))
+    norm = Prologue(norm_weight[0], 1e-6, residual, torch.empty_like(residual))
+
+    def separate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        fused_add_rmsnorm(x, residual, norm_weight[0], 1e-6)
+        return linear(x, w)
+
+    return partial(linear, prologue=norm), separate, torch.randn(1, k, dtype=dtype, device="cuda")
 
 
 def main() -> None:
@@ -81,6 +102,10 @@ def main() -> None:
             record(shape, rows, "cuBLAS", time_us(F.linear, x, weights), nbytes)
             record(shape, rows, f"default {tuple(default_config(n, k))}",
                    time_us(linear, x, weights), nbytes)  # fmt: skip
+        if shape in FUSED:
+            fused, separate, x = fused_and_separate(FUSED[shape], k, dtype)
+            record(shape, 1, f"{FUSED[shape]} + GEMV", time_us(separate, x, weights), nbytes)
+            record(shape, 1, f"GEMV, {FUSED[shape]} fused", time_us(fused, x, weights), nbytes)
         if not args.sweep:
             continue
         x = torch.randn(1, k, dtype=dtype, device="cuda")

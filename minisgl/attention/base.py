@@ -7,7 +7,8 @@ from minisgl.kvcache import KVPool
 
 
 class AttentionBackend(ABC):
-    """Writes a step's K/V into the pool and computes attention over the paged pool.
+    """Computes attention over the paged pool, which already holds the step's K/V: the attention
+    layer writes them (in the same kernel as RoPE) before calling `forward`.
 
     What every backend needs about a batch (slots, seq_lens, cu_seqlens_q) is on the Batch. A new
     backend (FlashInfer, FlashAttention, ...) is one file: subclass, implement `forward` (and
@@ -27,7 +28,5 @@ class AttentionBackend(ABC):
         Not called for CUDA-graph replays, so decode must need nothing beyond the Batch."""
 
     @abstractmethod
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
-    ) -> torch.Tensor:
-        """q: [tokens, qo_heads, D]; k, v: [tokens, kv_heads, D]. Returns [tokens, qo_heads, D]."""
+    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        """q: [tokens, qo_heads, D]. Returns [tokens, qo_heads, D]."""

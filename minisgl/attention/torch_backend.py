@@ -2,7 +2,6 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.core import Batch
-from minisgl.kernel import store_kv
 
 from .base import AttentionBackend
 
@@ -14,13 +13,10 @@ class TorchBackend(AttentionBackend):
 
     supports_cuda_graph = False
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
-        store_kv(k_cache, v_cache, batch.out_loc, k, v)
         out = torch.empty_like(q)
-        group = q.shape[1] // k.shape[1]
+        group = q.shape[1] // k_cache.shape[1]
         cu = batch.cu_seqlens_q.tolist()
         for i, (slot, seq_len) in enumerate(
             zip(batch.slots.tolist(), batch.seq_lens.tolist(), strict=True)

@@ -3,7 +3,6 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch
-from minisgl.kernel import store_kv
 from minisgl.kernel.triton import (
     decode_attention,
     decode_num_splits,
@@ -38,11 +37,8 @@ class TritonBackend(AttentionBackend):
         )
         batch.attn_metadata = ExtendMetadata(block_req=t["block_req"], block_start=t["block_start"])
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
-        store_kv(k_cache, v_cache, batch.out_loc, k, v)
         if batch.is_decode:
             num_splits = decode_num_splits(q.shape[0], k_cache.shape[1], num_sms(q.device))
             return decode_attention(

@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 
 from . import torch_ops
-from .torch_ops import indexing
+from .torch_ops import KVStore, indexing
 
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -51,10 +51,14 @@ def apply_rope_inplace(
     head_size: int,
     cos_sin_cache: torch.Tensor,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    kv_store: KVStore | None = None,
 ) -> None:
     """NeoX-style rotary embedding in place, after a per-head RMSNorm when qk_norm =
-    (q_weight, k_weight, eps) is given; cos_sin_cache: [max_pos, D], cos then sin."""
-    _ops_for(query).apply_rope_inplace(positions, query, key, head_size, cos_sin_cache, qk_norm)
+    (q_weight, k_weight, eps) is given, and then the K/V rows into the pool when kv_store is
+    given (one kernel on a GPU); cos_sin_cache: [max_pos, D], cos then sin."""
+    _ops_for(query).apply_rope_inplace(
+        positions, query, key, head_size, cos_sin_cache, qk_norm, kv_store
+    )
 
 
 def _gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
@@ -117,18 +121,8 @@ def sample_temperature(
     return _ops_for(logits).sample_temperature(logits, temperatures, uniforms)
 
 
-def store_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out_loc: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-) -> None:
-    """Write this step's K/V rows at the pool locations `out_loc`."""
-    _ops_for(k_cache).store_kv(k_cache, v_cache, out_loc, k, v)
-
-
 __all__ = [
+    "KVStore",
     "apply_rope_inplace",
     "fused_add_rmsnorm",
     "indexing",
@@ -138,6 +132,5 @@ __all__ = [
     "sample_temperature",
     "silu_and_mul",
     "silu_and_mul_linear",
-    "store_kv",
     "torch_ops",
 ]

@@ -1,7 +1,18 @@
 """PyTorch reference ops. Their order of operations matches Hugging Face, so fp32 agrees bit for bit."""
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+
+class KVStore(NamedTuple):
+    """Where a step's K/V rows go: caches [locations, kv_heads, D], out_loc [tokens]; and the values."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    out_loc: torch.Tensor
+    value: torch.Tensor
 
 
 def rmsnorm(
@@ -31,9 +42,11 @@ def apply_rope_inplace(
     head_size: int,
     cos_sin_cache: torch.Tensor,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    kv_store: KVStore | None = None,
 ) -> None:
     """NeoX-style rotary embedding (the two halves paired), in place; with qk_norm =
-    (q_weight, k_weight, eps), each head of q and k is RMS-normalised first (Qwen3's QK-norm).
+    (q_weight, k_weight, eps), each head of q and k is RMS-normalised first (Qwen3's QK-norm);
+    with kv_store, the rotated keys and the values are then written into the pool.
 
     query: [T, Hq * D] or [T, Hq, D], possibly strided views of the merged qkv; key likewise;
     cos_sin_cache: [max_pos, D], cos then sin.
@@ -50,6 +63,8 @@ def apply_rope_inplace(
         o1 = x1 * c - x2 * s
         o2 = x2 * c + x1 * s
         x.copy_(torch.cat([o1, o2], dim=-1))
+    if kv_store is not None:
+        store_kv(kv_store.k_cache, kv_store.v_cache, kv_store.out_loc, key, kv_store.value)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

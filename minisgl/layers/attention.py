@@ -1,6 +1,7 @@
 import torch
 
 from minisgl.core import get_global_ctx
+from minisgl.kernel import KVStore
 
 from .base import StateLessOP
 from .norm import RMSNorm
@@ -8,8 +9,8 @@ from .rotary import RotaryEmbedding
 
 
 class AttentionLayer(StateLessOP):
-    """Splits the merged qkv, applies QK-norm and RoPE, and hands q/k/v to the attention backend,
-    which writes the KV pool and computes attention. Holds no weights of its own."""
+    """Splits the merged qkv; applies QK-norm and RoPE and writes K/V into the pool, in one op;
+    then the attention backend attends over the pool. Holds no weights of its own."""
 
     def __init__(
         self,
@@ -39,12 +40,12 @@ class AttentionLayer(StateLessOP):
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q, k = self.rotary.forward(ctx.batch.positions, q, k, qk_norm)
+        pool = ctx.attn_backend.pool
+        kv_store = KVStore(
+            pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), ctx.batch.out_loc, v
+        )
+        q, _ = self.rotary.forward(ctx.batch.positions, q, k, qk_norm, kv_store)
         o = ctx.attn_backend.forward(
-            q.view(-1, self.num_qo_heads, self.head_dim),
-            k.view(-1, self.num_kv_heads, self.head_dim),
-            v.view(-1, self.num_kv_heads, self.head_dim),
-            self.layer_id,
-            ctx.batch,
+            q.view(-1, self.num_qo_heads, self.head_dim), self.layer_id, ctx.batch
         )
         return o.reshape(-1, self.qo_attn_dim)

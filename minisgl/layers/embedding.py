@@ -1,9 +1,8 @@
 import torch
-import torch.nn.functional as F
 
 from minisgl.core import get_global_ctx
 from minisgl.distributed import DistributedCommunicator, get_tp_info
-from minisgl.kernel import indexing
+from minisgl.kernel import indexing, linear
 from minisgl.utils import div_ceil
 
 from .base import BaseOP
@@ -52,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if not batch.is_decode and not batch.all_logits:
             x = x[batch.last_indices]
         weight = self._tied_embedding.weight if self._tied_embedding is not None else self.weight
-        logits = F.linear(x, weight)
+        logits = linear(x, weight)
         if self._tp_size == 1:
             return logits
         # all_gather stacks ranks along dim 0: [tp * rows, V/tp] -> [rows, tp * V/tp]

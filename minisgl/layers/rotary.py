@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from minisgl.kernel import apply_rope_inplace
+from minisgl.kernel import KVStore, apply_rope_inplace
 
 from .base import StateLessOP
 
@@ -24,10 +24,14 @@ class RotaryEmbedding(StateLessOP):
         query: torch.Tensor,
         key: torch.Tensor,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        kv_store: KVStore | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k in place; qk_norm = (q_weight, k_weight, eps) normalises each head
-        first, in the same kernel (Qwen3's QK-norm)."""
-        apply_rope_inplace(positions, query, key, self.head_size, self._cos_sin_cache, qk_norm)
+        first (Qwen3's QK-norm) and kv_store writes the rotated keys and the values into the
+        pool, in the same kernel."""
+        apply_rope_inplace(
+            positions, query, key, self.head_size, self._cos_sin_cache, qk_norm, kv_store
+        )
         return query, key
 
 

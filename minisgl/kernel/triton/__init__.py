@@ -9,7 +9,6 @@ from .gemv import Prologue, linear, use_gemv
 from .norm import fused_add_rmsnorm, rmsnorm
 from .rope import apply_rope_inplace
 from .sampling import sample_temperature
-from .store_kv import store_kv
 
 __all__ = [
     "Prologue",
@@ -24,6 +23,5 @@ __all__ = [
     "rmsnorm",
     "sample_temperature",
     "silu_and_mul",
-    "store_kv",
     "use_gemv",
 ]

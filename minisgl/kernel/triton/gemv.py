@@ -101,9 +101,15 @@ def use_gemv(rows: int, n: int) -> bool:
 
 
 def default_config(n: int, k: int) -> GemvConfig:
-    """The tile for W [n, k], from bench_gemv.py's sweep on an H200 (one row): with few output
-    features, long rows per program keep enough bytes in flight; with many, more programs do."""
-    block_n, block_k, num_warps = (2, 2048, 8) if n <= _FEW_FEATURES else (8, 512, 4)
+    """The tile for W [n, k], from bench_gemv.py's sweep on an H200 (one row, kernels launched
+    with PDL): with many output features, wide programs; with few, long rows per program (each
+    program reads a whole row of the o_proj), or one feature per program over long rows."""
+    if n > _FEW_FEATURES:
+        block_n, block_k, num_warps = 16, 512, 8
+    elif k <= 2048:
+        block_n, block_k, num_warps = 8, 2048, 4
+    else:
+        block_n, block_k, num_warps = 1, 1024, 8
     return GemvConfig(block_n, min(block_k, max(16, triton.next_power_of_2(k))), num_warps)
 
 

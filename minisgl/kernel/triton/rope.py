@@ -2,6 +2,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..torch_ops import KVStore
 from .pdl import pdl_args, wait_for_previous
 
 
@@ -18,7 +19,7 @@ def _rotate_heads(
     HALF, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """One token's heads in place: optional RMSNorm over each head, then the NeoX rotation
-    (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+    (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). Returns the rotated halves and their mask."""
     h = tl.arange(0, BLOCK_H)
     mask = (h < num_heads)[:, None] & i_mask[None, :]
     x1_ptrs = ptr + h[:, None] * stride_head + i[None, :]
@@ -33,33 +34,24 @@ def _rotate_heads(
         x2 = ((x2f * scale[:, None]).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
     # in the tensor's dtype, like the reference: cos/sin cast first, each product rounded
     c, s = cos.to(x1.dtype)[None, :], sin.to(x1.dtype)[None, :]
-    tl.store(x1_ptrs, _mul(x1, c) - _mul(x2, s), mask=mask)
-    tl.store(x1_ptrs + HALF, _mul(x2, c) + _mul(x1, s), mask=mask)
+    o1, o2 = _mul(x1, c) - _mul(x2, s), _mul(x2, c) + _mul(x1, s)
+    tl.store(x1_ptrs, o1, mask=mask)
+    tl.store(x1_ptrs + HALF, o2, mask=mask)
+    return o1, o2, mask
 
 
 @triton.jit
 def _rope_kernel(
-    q_ptr,
-    k_ptr,
-    positions_ptr,
-    cos_sin_ptr,
-    q_norm_ptr,
-    k_norm_ptr,
-    eps,
-    stride_q_tok,
-    stride_q_head,
-    stride_k_tok,
-    stride_k_head,
-    stride_cos_sin,
-    num_q_heads,
-    num_k_heads,
-    HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_QH: tl.constexpr,
-    BLOCK_KH: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps,
+    k_cache_ptr, v_cache_ptr, out_loc_ptr,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_k_cache_loc, stride_k_cache_head, stride_v_cache_loc, stride_v_cache_head,
+    stride_cos_sin, num_q_heads, num_k_heads,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (token, 0) rotates the query heads; (token, 1) the key heads, and writes K and V
+    into the pool at out_loc[token] when STORE_KV."""
     wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -67,14 +59,26 @@ def _rope_kernel(
     i_mask = i < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + i, mask=i_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + i, mask=i_mask, other=0.0)
-    _rotate_heads(
-        q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, cos, sin, i, i_mask,
-        q_norm_ptr, eps, HALF, HAS_NORM, BLOCK_QH,
-    )  # fmt: skip
-    _rotate_heads(
-        k_ptr + token * stride_k_tok, stride_k_head, num_k_heads, cos, sin, i, i_mask,
-        k_norm_ptr, eps, HALF, HAS_NORM, BLOCK_KH,
-    )  # fmt: skip
+    if tl.program_id(1) == 0:
+        _rotate_heads(
+            q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, cos, sin, i, i_mask,
+            q_norm_ptr, eps, HALF, HAS_NORM, BLOCK_QH,
+        )  # fmt: skip
+    else:
+        k1, k2, mask = _rotate_heads(
+            k_ptr + token * stride_k_tok, stride_k_head, num_k_heads, cos, sin, i, i_mask,
+            k_norm_ptr, eps, HALF, HAS_NORM, BLOCK_KH,
+        )  # fmt: skip
+        if STORE_KV:
+            loc = tl.load(out_loc_ptr + token).to(tl.int64)
+            h = tl.arange(0, BLOCK_KH)[:, None]
+            k_dst = k_cache_ptr + loc * stride_k_cache_loc + h * stride_k_cache_head + i[None, :]
+            tl.store(k_dst, k1, mask=mask)
+            tl.store(k_dst + HALF, k2, mask=mask)
+            v_src = v_ptr + token * stride_v_tok + h * stride_v_head + i[None, :]
+            v_dst = v_cache_ptr + loc * stride_v_cache_loc + h * stride_v_cache_head + i[None, :]
+            tl.store(v_dst, tl.load(v_src, mask=mask), mask=mask)
+            tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=mask), mask=mask)
 
 
 def apply_rope_inplace(
@@ -84,9 +88,11 @@ def apply_rope_inplace(
     head_size: int,
     cos_sin_cache: torch.Tensor,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    kv_store: KVStore | None = None,
 ) -> None:
-    """NeoX-style rotary embedding (the two halves paired), in place, one program per token;
-    with qk_norm = (q_weight, k_weight, eps) each head is RMS-normalised first, in the same pass.
+    """NeoX-style rotary embedding (the two halves paired), in place; with qk_norm = (q_weight,
+    k_weight, eps) each head is RMS-normalised first, and with kv_store the rotated keys and the
+    values are written into the pool, all in the same pass.
 
     query: [T, Hq * D] or [T, Hq, D] (strided views are fine); key likewise;
     cos_sin_cache: [max_pos, D], cos then sin.
@@ -95,11 +101,16 @@ def apply_rope_inplace(
     k = key.view(key.shape[0], -1, head_size)
     half = head_size // 2
     q_w, k_w, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # weights unread without norm
-    _rope_kernel[(q.shape[0],)](
-        q, k, positions, cos_sin_cache, q_w, k_w, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        q.shape[1], k.shape[1],
-        HALF=half, HAS_NORM=qk_norm is not None, BLOCK_HALF=triton.next_power_of_2(half),
+    # without a store, the pool arguments are never read: k stands in for them
+    k_cache, v_cache, out_loc, value = kv_store if kv_store is not None else (k, k, positions, k)
+    v = value.view(value.shape[0], -1, head_size)
+    _rope_kernel[(q.shape[0], 2)](
+        q, k, v, positions, cos_sin_cache, q_w, k_w, eps, k_cache, v_cache, out_loc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        cos_sin_cache.stride(0), q.shape[1], k.shape[1],
+        HALF=half, HAS_NORM=qk_norm is not None, STORE_KV=kv_store is not None,
+        BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
         **pdl_args(q.device),
     )  # fmt: skip
