@@ -55,20 +55,19 @@ def time_us(
 
 def fused_and_separate(
     op: str, k: int, dtype: torch.dtype
-) -> tuple[Callable, Callable, torch.Tensor]:
-    """fn(x, w) with `op` inside the GEMV, the same with op's own kernel first, and x."""
+) -> tuple[Prologue, Callable, torch.Tensor]:
+    """The prologue that puts `op` inside the GEMV, fn(x, w) running op's own kernel first, and x."""
     if op == "silu_and_mul":
-        gated = Prologue(gated_silu=True)
         x = torch.randn(1, 2 * k, dtype=dtype, device="cuda")
-        return partial(linear, prologue=gated), lambda x, w: linear(silu_and_mul(x), w), x
+        return Prologue(gated_silu=True), lambda x, w: linear(silu_and_mul(x), w), x
     residual, norm_weight = (torch.randn(1, k, dtype=dtype, device="cuda") for _ in range(2))
-    norm = Prologue(norm_weight[0], 1e-6, residual, torch.empty_like(residual))
 
     def separate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fused_add_rmsnorm(x, residual, norm_weight[0], 1e-6)
         return linear(x, w)
 
-    return partial(linear, prologue=norm), separate, torch.randn(1, k, dtype=dtype, device="cuda")
+    prologue = Prologue(norm_weight[0], 1e-6, residual, torch.empty_like(residual))
+    return prologue, separate, torch.randn(1, k, dtype=dtype, device="cuda")
 
 
 def main() -> None:
@@ -88,7 +87,7 @@ def main() -> None:
     def record(shape: str, rows: int, kernel: str, us: float, nbytes: int) -> None:
         gbs = nbytes / us / 1e3
         results.append({"shape": shape, "rows": rows, "kernel": kernel, "us": us, "GB/s": gbs})
-        print(f"{shape:>13} {rows:>4} {kernel:>26} {us:>9.1f} us {gbs:>7.0f} GB/s "
+        print(f"{shape:>13} {rows:>4} {kernel:>34} {us:>9.1f} us {gbs:>7.0f} GB/s "
               f"{gbs * 1e9 / copy_bw:>5.0%}")  # fmt: skip
 
     for shape, (n, k, copies) in SHAPES.items():
@@ -102,21 +101,27 @@ def main() -> None:
             record(shape, rows, "cuBLAS", time_us(F.linear, x, weights), nbytes)
             record(shape, rows, f"default {tuple(default_config(n, k))}",
                    time_us(linear, x, weights), nbytes)  # fmt: skip
-        if shape in FUSED:
-            fused, separate, x = fused_and_separate(FUSED[shape], k, dtype)
-            record(shape, 1, f"{FUSED[shape]} + GEMV", time_us(separate, x, weights), nbytes)
-            record(shape, 1, f"GEMV, {FUSED[shape]} fused", time_us(fused, x, weights), nbytes)
+        fused = FUSED.get(shape)
+        if fused is not None:
+            prologue, separate, fused_x = fused_and_separate(fused, k, dtype)
+            record(shape, 1, f"{fused} + GEMV", time_us(separate, fused_x, weights), nbytes)
+            us = time_us(partial(linear, prologue=prologue), fused_x, weights)
+            record(shape, 1, f"GEMV, {fused} fused", us, nbytes)
         if not args.sweep:
             continue
         x = torch.randn(1, k, dtype=dtype, device="cuda")
-        sweep = []
-        for config in SWEEP:
-            if config.block_k > 2 * k:
-                continue
-            us = time_us(partial(linear, config=config), x, weights)
-            sweep.append((us, config))
-        for us, config in sorted(sweep)[:5]:
-            record(shape, 1, f"sweep {tuple(config)}", us, nbytes)
+        variants = [("sweep", x, {})]
+        if fused is not None:
+            variants.append((f"{fused} fused", fused_x, {"prologue": prologue}))
+        for name, x, kwargs in variants:
+            sweep = []
+            for config in SWEEP:
+                if config.block_k > 2 * k:
+                    continue
+                us = time_us(partial(linear, config=config, **kwargs), x, weights)
+                sweep.append((us, config))
+            for us, config in sorted(sweep)[:5]:
+                record(shape, 1, f"{name} {tuple(config)}", us, nbytes)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
