@@ -8,6 +8,11 @@ in wide, contiguous chunks, with enough programs to keep every SM loading.
 Products are summed into a [BLOCK_N, BLOCK_K] fp32 tile and reduced across K once at the end, so
 the loop body is loads and multiply-adds only. The first tile of W is loaded before waiting for the
 previous kernel (see pdl.py): those loads overlap its tail.
+
+A prologue computes x from what the op before the matmul would have read: rmsnorm(x + residual) for
+the projections after a layer norm, silu(gate) * up for the down projection. At one row each of
+those ops is a kernel of a few microseconds whose output is a few KiB, so computing it again in every
+program (from L2) costs less than launching it.
 """
 
 from typing import NamedTuple
