@@ -44,7 +44,7 @@ class RopeAttn(BaseOP):
         self.o_proj = LinearOProj(config.num_qo_heads, head_dim, config.hidden_size)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, input_norm: RMSNormFused
+        self, x: torch.Tensor, residual: torch.Tensor | None, input_norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qkv, residual = self.qkv_proj.forward_normed(input_norm, x, residual)
         return self.o_proj.forward(self.attn.forward(qkv)), residual
@@ -57,7 +57,7 @@ class GatedMLP(BaseOP):
         self.down_proj = LinearRowParallel(size, config.hidden_size)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor, input_norm: RMSNormFused
+        self, x: torch.Tensor, residual: torch.Tensor, input_norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up, residual = self.gate_up_proj.forward_normed(input_norm, x, residual)
         return self.down_proj.forward(gate_up, gated_silu=True), residual
@@ -67,8 +67,9 @@ class DecoderLayer(BaseOP):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         self.self_attn = RopeAttn(config, layer_id)
         self.mlp = GatedMLP(config)
-        self.input_layernorm = RMSNormFused(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNormFused(config.hidden_size, config.rms_norm_eps)
+        # weights only: each norm runs inside the projection after it (forward_normed)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None
