@@ -31,7 +31,6 @@ ELEMENTWISE_TOL = {
     torch.bfloat16: (8e-3, 8e-3),
 }
 HEAD_DIM = 32
-GATED = triton_ops.Prologue(gated_silu=True)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float]) -> None:
@@ -54,7 +53,9 @@ class PagedKV:
         self.pool.k_cache(0).copy_(randn(*self.pool.k_cache(0).shape, dtype=dtype))
         self.pool.v_cache(0).copy_(randn(*self.pool.v_cache(0).shape, dtype=dtype))
         width = max(pages_per_req) * page_size
-        rows = len(seq_lens) + 1  # the last row is the padding request's, as in the engine
+        # a row per request of a padded batch (4 padding rows at most), as in the engine; the
+        # last row is the padding request's
+        rows = len(seq_lens) + 4 + 1
         self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=DEVICE)
         self.page_table[-1] = self.pool.dummy_loc
         self.dummy_slot = rows - 1
@@ -118,22 +119,19 @@ def test_extend_attention_matches_reference_over_prefix_and_new_tokens(page_size
 def test_decode_attention_matches_reference_for_any_split_count(num_splits, page_size, dtype):
     torch.manual_seed(0)
     # 8 splits: 300 uses 5 splits of 64 keys and leaves 3 unused, 17 and 1 write their output
-    # directly from their one split; 1 split: every request does, and stage 2 is not launched
+    # directly from their one split; 1 split: every request does
     seq_lens = [1, 70, 300, 17, 129]
     kv = PagedKV(seq_lens, page_size, 2, dtype)  # group of 3: the head block is padded to 16
     batch = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
     q, k, v = new_qkv(batch, 6, 2, dtype)
     want = attend(kv.backend("torch"), batch, (q, k, v))
-    got = triton_ops.decode_attention(
-        q,
-        kv.pool.k_cache(0),
-        kv.pool.v_cache(0),
-        kv.page_table,
-        batch.slots,
-        batch.seq_lens,
-        num_splits,
-    )
-    assert_close(got, want, ATTENTION_TOL[dtype])
+    counters = torch.zeros(len(seq_lens) * 2, dtype=torch.int32, device=DEVICE)
+    args = (kv.pool.k_cache(0), kv.pool.v_cache(0), kv.page_table, batch.slots, batch.seq_lens)
+    # twice: the last split of each request resets its counter, so a second launch reduces too
+    for _ in range(2):
+        got = triton_ops.decode_attention(q, *args, num_splits, counters)
+        assert_close(got, want, ATTENTION_TOL[dtype])
+        assert counters.count_nonzero() == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -295,16 +293,20 @@ def test_gemv_matches_linear_for_small_batches(rows, dtype):
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv_computes_silu_and_mul_of_its_input_like_the_separate_kernel(rows, dtype):
+def test_gated_gemv_equals_silu_and_mul_of_the_plain_gemv(rows, dtype):
     torch.manual_seed(0)
-    gate_up, weight = randn(rows, 2 * 700, dtype=dtype), randn(300, 700, dtype=dtype)
-    config = triton_ops.gemv.GemvConfig(4, 256, 4)  # three tiles of K and a partial one
-    got = triton_ops.linear(gate_up, weight, config=config, prologue=GATED)
-    # the same roundings and the same order of sums: the same bits
-    assert torch.equal(
-        got, triton_ops.linear(triton_ops.silu_and_mul(gate_up), weight, config=config)
+    # 150 features: the last program's tile is partial; three tiles of K and a partial one
+    x, weight = randn(rows, 700, dtype=dtype), randn(2 * 150, 700, dtype=dtype)
+    bias = randn(2 * 150, dtype=dtype)
+    config = triton_ops.gemv.GemvConfig(8, 256, 4)
+    got = triton_ops.linear(x, weight, bias, config=config, gated=True)
+    assert got.shape == (rows, 150)
+    # the same sums in the same order, rounded where the separate kernels round: the same bits
+    plain = triton_ops.linear(x, weight, bias, config=config)
+    assert torch.equal(got, triton_ops.silu_and_mul(plain))
+    want = torch_ops.silu_and_mul(
+        torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     )
-    want = torch.nn.functional.linear(torch_ops.silu_and_mul(gate_up).float(), weight.float())
     assert_close(got, want, (5e-3, ATTENTION_TOL[dtype][1]))
 
 
@@ -353,9 +355,12 @@ def test_dispatched_norm_and_gated_matmuls_equal_the_unfused_ops(rows):
         torch_ops.linear(torch_ops.rmsnorm(x, norm_weight, 1e-6), weight),
         (5e-2, ATTENTION_TOL[dtype][1]),
     )
-    gate_up, down = randn(rows, 512, dtype=dtype), randn(96, 256, dtype=dtype)
-    want = torch_ops.linear(torch_ops.silu_and_mul(gate_up), down)
-    assert_close(kernel.silu_and_mul_linear(gate_up, down), want, (5e-2, ATTENTION_TOL[dtype][1]))
+    gate_up = randn(2 * 96, 256, dtype=dtype)
+    want = torch_ops.silu_and_mul(
+        torch_ops.linear(torch_ops.rmsnorm(x, norm_weight, 1e-6), gate_up)
+    )
+    y, _ = kernel.rmsnorm_linear(x, None, norm_weight, 1e-6, gate_up, gated=True)
+    assert_close(y, want, (5e-2, ATTENTION_TOL[dtype][1]))
 
 
 def test_dispatch_takes_triton_only_for_cuda_half_tensors():

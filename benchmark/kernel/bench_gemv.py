@@ -1,7 +1,7 @@
 """Small-batch GEMV (minisgl.kernel.triton.gemv) on the Qwen3-0.6B linear shapes, next to cuBLAS
 (F.linear) and the device's copy bandwidth: the default tile, and with --sweep a sweep of tiles at
-one row (how the default was chosen). At one row, the GEMV with the op before it fused in (the
-layer norm, or SiLU-and-mul) against that op's own kernel followed by the GEMV.
+one row (how the default was chosen). At one row, the GEMV with the ops around it fused in (the
+layer norm before it; SiLU-and-mul after the gate/up projection) against their own kernels.
 
 Each measurement runs the shape's matmul over 28 distinct weights (one per layer, as a decode step
 does; the LM head has one), inside a CUDA graph, so W streams from HBM and not from L2. The figure
@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ SHAPES = {  # name: (N, K, copies)
     "down_proj": (1024, 3072, NUM_LAYERS),
     "lm_head": (151936, 1024, 1),
 }
-FUSED = {"qkv_proj": "rmsnorm", "gate_up_proj": "rmsnorm", "down_proj": "silu_and_mul"}
+FUSED = {"qkv_proj": "rmsnorm", "gate_up_proj": "rmsnorm + silu_and_mul"}
 SWEEP = [
     GemvConfig(block_n, block_k, num_warps)
     for block_n, block_k, num_warps in itertools.product(
@@ -54,20 +55,20 @@ def time_us(
 
 
 def fused_and_separate(
-    op: str, k: int, dtype: torch.dtype
-) -> tuple[Prologue, Callable, torch.Tensor]:
-    """The prologue that puts `op` inside the GEMV, fn(x, w) running op's own kernel first, and x."""
-    if op == "silu_and_mul":
-        x = torch.randn(1, 2 * k, dtype=dtype, device="cuda")
-        return Prologue(gated_silu=True), lambda x, w: linear(silu_and_mul(x), w), x
+    ops: str, k: int, dtype: torch.dtype
+) -> tuple[dict[str, Any], Callable, torch.Tensor]:
+    """linear()'s arguments that put `ops` inside the GEMV, fn(x, w) running their own kernels
+    around the GEMV, and x."""
     residual, norm_weight = (torch.randn(1, k, dtype=dtype, device="cuda") for _ in range(2))
+    gated = ops.endswith("silu_and_mul")
 
     def separate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fused_add_rmsnorm(x, residual, norm_weight[0], 1e-6)
-        return linear(x, w)
+        return silu_and_mul(linear(x, w)) if gated else linear(x, w)
 
     prologue = Prologue(norm_weight[0], 1e-6, residual, torch.empty_like(residual))
-    return prologue, separate, torch.randn(1, k, dtype=dtype, device="cuda")
+    x = torch.randn(1, k, dtype=dtype, device="cuda")
+    return {"prologue": prologue, "gated": gated}, separate, x
 
 
 def main() -> None:
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--json", help="also write every measurement here")
     parser.add_argument("--sweep", action="store_true", help="also time a sweep of tiles (1 row)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gemv: no CUDA device, nothing to measure (the kernel needs a GPU)")
@@ -90,7 +92,8 @@ def main() -> None:
         print(f"{shape:>13} {rows:>4} {kernel:>34} {us:>9.1f} us {gbs:>7.0f} GB/s "
               f"{gbs * 1e9 / copy_bw:>5.0%}")  # fmt: skip
 
-    for shape, (n, k, copies) in SHAPES.items():
+    for shape in args.shapes:
+        n, k, copies = SHAPES[shape]
         weights = [torch.randn(n, k, dtype=dtype, device="cuda") / k**0.5 for _ in range(copies)]
         nbytes = copies * n * k * dtype.itemsize
         for rows in (1, 2, 4):
@@ -103,20 +106,20 @@ def main() -> None:
                    time_us(linear, x, weights), nbytes)  # fmt: skip
         fused = FUSED.get(shape)
         if fused is not None:
-            prologue, separate, fused_x = fused_and_separate(fused, k, dtype)
-            record(shape, 1, f"{fused} + GEMV", time_us(separate, fused_x, weights), nbytes)
-            us = time_us(partial(linear, prologue=prologue), fused_x, weights)
-            record(shape, 1, f"GEMV, {fused} fused", us, nbytes)
+            fused_kwargs, separate, fused_x = fused_and_separate(fused, k, dtype)
+            record(shape, 1, f"{fused}, separate", time_us(separate, fused_x, weights), nbytes)
+            us = time_us(partial(linear, **fused_kwargs), fused_x, weights)
+            record(shape, 1, f"{fused} fused", us, nbytes)
         if not args.sweep:
             continue
         x = torch.randn(1, k, dtype=dtype, device="cuda")
         variants = [("sweep", x, {})]
         if fused is not None:
-            variants.append((f"{fused} fused", fused_x, {"prologue": prologue}))
+            variants.append((f"{fused} fused", fused_x, fused_kwargs))
         for name, x, kwargs in variants:
             sweep = []
             for config in SWEEP:
-                if config.block_k > 2 * k:
+                if config.block_k > 2 * k or (kwargs.get("gated") and config.block_n == 1):
                     continue
                 us = time_us(partial(linear, config=config, **kwargs), x, weights)
                 sweep.append((us, config))

@@ -10,6 +10,7 @@ from minisgl.kernel.triton import (
     extend_blocks,
     num_sms,
 )
+from minisgl.kvcache import KVPool
 from minisgl.utils import pack_to_device
 
 from .base import AttentionBackend
@@ -28,6 +29,14 @@ class TritonBackend(AttentionBackend):
 
     Decode reads only the Batch's own tensors, so a CUDA graph's static batches work as-is."""
 
+    def __init__(self, pool: KVPool, page_table: torch.Tensor) -> None:
+        super().__init__(pool, page_table)
+        # decode's per-(request, KV head) split counters: zero between launches, one row per slot
+        num_kv_heads = pool.k_cache(0).shape[1]
+        self.split_counters = torch.zeros(
+            page_table.shape[0] * num_kv_heads, dtype=torch.int32, device=page_table.device
+        )
+
     def prepare(self, batch: Batch) -> None:
         if batch.is_decode:
             return
@@ -42,8 +51,9 @@ class TritonBackend(AttentionBackend):
         if batch.is_decode:
             num_splits = decode_num_splits(q.shape[0], k_cache.shape[1], num_sms(q.device))
             return decode_attention(
-                q, k_cache, v_cache, self.page_table, batch.slots, batch.seq_lens, num_splits
-            )
+                q, k_cache, v_cache, self.page_table, batch.slots, batch.seq_lens, num_splits,
+                self.split_counters,
+            )  # fmt: skip
         meta: ExtendMetadata = batch.attn_metadata
         return extend_attention(
             q,

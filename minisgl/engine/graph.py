@@ -89,10 +89,15 @@ class GraphRunner:
         torch.stack([getattr(batch, f) for f in self._fields], out=self._static[:, :bs])
         if padded > bs:
             self._static[:, bs:padded] = self._padding[:, None]
-        if padded in self._graphs:
-            graph, logits = self._graphs[padded]
+        return self.replay(padded)[:bs]
+
+    def replay(self, bs: int) -> torch.Tensor:
+        """Run the forward of captured size bs on whatever its static inputs hold; the logits.
+        Replayed alone in a loop, it times the GPU's part of a decode step."""
+        if bs in self._graphs:
+            graph, logits = self._graphs[bs]
             graph.replay()
-        else:  # the CPU twin: same static buffers, no capture
-            with get_global_ctx().forward_batch(self._batches[padded], self.attn_backend):
-                logits = self.model.forward()
-        return logits[:bs]
+            return logits
+        # the CPU twin: same static buffers, no capture
+        with get_global_ctx().forward_batch(self._batches[bs], self.attn_backend):
+            return self.model.forward()

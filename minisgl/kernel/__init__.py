@@ -82,31 +82,27 @@ def rmsnorm_linear(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """linear(rmsnorm(x + residual)) and the new residual x + residual (x itself when residual
-    is None). Where the GEMV serves, the norm runs inside it: one kernel instead of two, and x and
-    residual are left as they were; else x and residual are updated in place as by
-    fused_add_rmsnorm."""
+    is None); gated: weight = [W_gate; W_up] and the first result is silu_and_mul of the linear.
+    Where the GEMV serves, the norm and the activation run inside it: one kernel instead of two or
+    three, and x and residual are left as they were; else x and residual are updated in place as
+    by fused_add_rmsnorm."""
     ops = _gemv_ops(x, weight)
     if ops is None:
         if residual is None:
-            return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
-        fused_add_rmsnorm(x, residual, norm_weight, eps)
-        return linear(x, weight, bias), residual
+            y, residual = linear(rmsnorm(x, norm_weight, eps), weight, bias), x
+        else:
+            fused_add_rmsnorm(x, residual, norm_weight, eps)
+            y = linear(x, weight, bias)
+        return (silu_and_mul(y) if gated else y), residual
     new_residual = (
         None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
     )
     prologue = ops.Prologue(norm_weight, eps, residual, new_residual)
-    y = ops.linear(x, weight, bias, prologue=prologue)
+    y = ops.linear(x, weight, bias, prologue=prologue, gated=gated)
     return y, x if new_residual is None else new_residual
-
-
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear(silu_and_mul(x), weight), in one kernel where the GEMV serves."""
-    ops = _gemv_ops(x, weight)
-    if ops is None:
-        return linear(silu_and_mul(x), weight)
-    return ops.linear(x, weight, prologue=ops.Prologue(gated_silu=True))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -131,6 +127,5 @@ __all__ = [
     "rmsnorm_linear",
     "sample_temperature",
     "silu_and_mul",
-    "silu_and_mul_linear",
     "torch_ops",
 ]

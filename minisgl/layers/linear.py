@@ -6,7 +6,7 @@ Each computes this rank's shapes from the TP info; the weight loader slices chec
 import torch
 
 from minisgl.distributed import DistributedCommunicator, get_tp_info
-from minisgl.kernel import linear, rmsnorm_linear, silu_and_mul_linear
+from minisgl.kernel import linear, rmsnorm_linear
 from minisgl.utils import div_even
 
 from .base import BaseOP
@@ -28,11 +28,12 @@ class _LinearTPImpl(BaseOP):
         return linear(x, self.weight, self.bias)
 
     def forward_normed(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x + residual)) and the new residual, x + residual (x when there is none);
-        for a tiny decode batch on a GPU the norm runs inside the matmul's kernel."""
-        return rmsnorm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        gated: the output is [gate | up] and silu(gate) * up is returned instead. For a tiny
+        decode batch on a GPU the norm and the activation run inside the matmul's kernel."""
+        return rmsnorm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, gated)
 
 
 class LinearReplicated(_LinearTPImpl):
@@ -81,10 +82,8 @@ class LinearRowParallel(_LinearTPImpl):
         self._tp_size = tp
         self._comm = DistributedCommunicator()
 
-    def forward(self, x: torch.Tensor, gated_silu: bool = False) -> torch.Tensor:
-        """gated_silu: x = [gate | up] and the input is silu(gate) * up (for a tiny decode batch on
-        a GPU, computed inside the matmul's kernel)."""
-        y = silu_and_mul_linear(x, self.weight) if gated_silu else linear(x, self.weight)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight)
         return self._comm.all_reduce(y) if self._tp_size > 1 else y
 
 

@@ -59,8 +59,8 @@ class GatedMLP(BaseOP):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor, input_norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up, residual = self.gate_up_proj.forward_normed(input_norm, x, residual)
-        return self.down_proj.forward(gate_up, gated_silu=True), residual
+        hidden, residual = self.gate_up_proj.forward_normed(input_norm, x, residual, gated=True)
+        return self.down_proj.forward(hidden), residual
 
 
 class DecoderLayer(BaseOP):

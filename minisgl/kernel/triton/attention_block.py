@@ -31,7 +31,9 @@ def attend_block(
 ):
     locs = tl.load(page_row_ptr + pos, mask=in_range, other=0).to(tl.int64)
     kv_mask = in_range[:, None] & d_mask[None, :]
+    # V is loaded before the scores need K, so a program of one block waits on memory once
     k = tl.load(k_ptr + locs[:, None] * stride_k_loc + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + locs[:, None] * stride_v_loc + d[None, :], mask=kv_mask, other=0.0)
     # ieee only changes fp32 inputs (no TF32, so fp32 matches the reference); fp16/bf16 ignore it
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -39,6 +41,5 @@ def attend_block(
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
-    v = tl.load(v_ptr + locs[:, None] * stride_v_loc + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i * alpha + tl.sum(p, 1), acc

@@ -4,15 +4,18 @@
     |<-- split 0 -->|<-- split 1 -->| ... |<- last used split ->|  (unused splits)
     split_len = ceil(seq_len / S) rounded up to BLOCK_N, so a short request uses fewer splits
 
-    stage 1, program (req, kv_head, split): the GROUP query heads of kv_head attend to the split's
-             keys (K/V read once per group) -> partial output o_s and its log2-sum-exp lse_s;
-             a request that needs one split writes its output directly
-    stage 2, program (req, head): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max),
-             over the request's used splits
+    program (req, kv_head, split): the GROUP query heads of kv_head attend to the split's keys
+        (K/V read once per group) -> partial output o_s and its log2-sum-exp lse_s in scratch;
+        the last of the request's used splits to finish (a counter per (req, kv_head) says which)
+        then reduces: out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max), and resets the
+        counter to 0 for the next launch. A request that needs one split writes its output directly.
+
+One launch, not a split kernel and a reduce kernel: a decode step of one request is ~200 kernels
+of a few microseconds, so a launch per layer is worth saving.
 
 S depends on the batch size only: a CUDA graph replays the same grid and scratch buffers with new
 seq_lens, so every split derives its token range from seq_lens inside the kernel; programs past a
-request's used splits do nothing. With S = 1 (a batch that fills the GPU) stage 2 is not launched.
+request's used splits do nothing.
 """
 
 import functools
@@ -63,7 +66,8 @@ def _split_kernel(
     seq_lens_ptr,
     mid_o_ptr,  # [bs, qo_heads, NUM_SPLITS, BLOCK_D] fp32
     mid_lse_ptr,  # [bs, qo_heads, NUM_SPLITS] fp32
-    o_ptr,  # [bs, qo_heads, HEAD_DIM]: written here when the request uses one split
+    o_ptr,  # [bs, qo_heads, HEAD_DIM]
+    counter_ptr,  # [>= bs * kv_heads] int32, zero between launches: splits done per (req, kv_head)
     qk_scale,
     stride_q_tok,
     stride_q_head,
@@ -78,6 +82,7 @@ def _split_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -125,38 +130,48 @@ def _split_kernel(
         row = (req * qo_heads + heads) * NUM_SPLITS + split
         tl.store(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=head_mask[:, None])
         tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
+        tl.debug_barrier()  # every thread's stores precede the count (released by the atomic)
+        counter = counter_ptr + req * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:
+            tl.store(counter, 0)
+            _reduce_splits(
+                mid_o_ptr, mid_lse_ptr, o_ptr + req * stride_o_tok, (req * qo_heads) * NUM_SPLITS,
+                kv_head, num_used, stride_o_head, GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D,
+            )  # fmt: skip
 
 
 @triton.jit
-def _reduce_kernel(
+def _reduce_splits(
     mid_o_ptr,
     mid_lse_ptr,
-    seq_lens_ptr,
-    o_ptr,
-    stride_o_tok,
+    o_req_ptr,
+    first_row,
+    kv_head,
+    num_used,
     stride_o_head,
+    GROUP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
-    req, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    seq_len = tl.load(seq_lens_ptr + req)
-    num_used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
-    if num_used > 1:  # else stage 1 wrote the output
-        s = tl.arange(0, BLOCK_S)
-        d = tl.arange(0, BLOCK_D)
-        used = s < num_used
-        row = (req * num_heads + head) * NUM_SPLITS + s
-        lse = tl.load(mid_lse_ptr + row, mask=used, other=float("-inf"))
+    """Combine the used splits' partial outputs of kv_head's query heads. The loads bypass L1:
+    the partials were written by other programs."""
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    used = s < num_used
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        row = first_row + head * NUM_SPLITS + s
+        lse = tl.load(mid_lse_ptr + row, mask=used, other=float("-inf"), cache_modifier=".cg")
         weight = tl.exp2(lse - tl.max(lse, 0))
-        partial = tl.load(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=used[:, None])
+        partial = tl.load(
+            mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=used[:, None], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
         out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
-        o_ptrs = o_ptr + req * stride_o_tok + head * stride_o_head + d
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        o_ptrs = o_req_ptr + head * stride_o_head + d
+        tl.store(o_ptrs, out.to(o_req_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def decode_attention(
@@ -167,31 +182,27 @@ def decode_attention(
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
     num_splits: int,
+    split_counters: torch.Tensor,
 ) -> torch.Tensor:
     """q: [bs, qo_heads, D] (one token per request); caches: [locations, kv_heads, D];
-    page_table: [rows, width] int32 pool locations; slots, seq_lens: [bs] int32 (seq_len >= 1).
+    page_table: [rows, width] int32 pool locations; slots, seq_lens: [bs] int32 (seq_len >= 1);
+    split_counters: int32 zeros, at least bs * kv_heads of them (left zero on return).
     Returns [bs, qo_heads, D]. Launch shapes and scratch depend on bs and num_splits only."""
     bs, qo_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = qo_heads // kv_heads
     block_d = dot_block(head_dim)
+    assert split_counters.numel() >= bs * kv_heads and split_counters.dtype == torch.int32
     mid_o = torch.empty((bs, qo_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, qo_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     _split_kernel[(bs, kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, slots, seq_lens, mid_o, mid_lse, out,
+        q, k_cache, v_cache, page_table, slots, seq_lens, mid_o, mid_lse, out, split_counters,
         head_dim**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
-        GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-        BLOCK_H=dot_block(group), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
+        GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(group),
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
         num_warps=4, num_stages=2, **pdl_args(q.device),
     )  # fmt: skip
-    if num_splits > 1:
-        _reduce_kernel[(bs, qo_heads)](
-            mid_o, mid_lse, seq_lens, out, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_N=_BLOCK_N,
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            **pdl_args(q.device),
-        )  # fmt: skip
     return out

@@ -10,9 +10,12 @@ the loop body is loads and multiply-adds only. The first tile of W is loaded bef
 previous kernel (see pdl.py): those loads overlap its tail.
 
 A prologue computes x from what the op before the matmul would have read: rmsnorm(x + residual) for
-the projections after a layer norm, silu(gate) * up for the down projection. At one row each of
-those ops is a kernel of a few microseconds whose output is a few KiB, so computing it again in every
-program (from L2) costs less than launching it.
+the projections after a layer norm. At one row that op is a kernel of a few microseconds whose
+output is a few KiB, so computing it again in every program (from L2) costs less than launching it.
+
+The gated epilogue computes silu(gate) * up for W = [W_gate; W_up] (the gate/up projection): a
+program reads the rows of both halves for its features, interleaved, so the activation costs no
+extra traffic and the down projection reads a finished input.
 """
 
 from typing import NamedTuple
@@ -34,16 +37,12 @@ class GemvConfig(NamedTuple):
 
 @triton.jit
 def _input_chunk(
-    x_row, residual_row, norm_w_ptr, k, k_mask, inv_rms, K,
-    GATED_SILU: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    x_row, residual_row, norm_w_ptr, k, k_mask, inv_rms,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
-    """Elements k of the matmul's input, rounded where the unfused kernels round: silu(gate) * up
-    from x_row = [gate | up], or rmsnorm(x + residual) given the row's 1 / rms."""
+    """Elements k of the matmul's input, rounded where the unfused kernels round:
+    rmsnorm(x + residual) given the row's 1 / rms."""
     x = tl.load(x_row + k, mask=k_mask, other=0.0)
-    if GATED_SILU:
-        gate = x.to(tl.float32)
-        up = tl.load(x_row + K + k, mask=k_mask, other=0.0).to(tl.float32)
-        x = ((gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32) * up).to(x.dtype)
     if NORM:
         if HAS_RESIDUAL:
             residual = tl.load(residual_row + k, mask=k_mask, other=0.0)
@@ -54,17 +53,33 @@ def _input_chunk(
 
 
 @triton.jit
+def _silu_and_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up of fp32 sums, rounded where the separate kernels round."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    return ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, residual_ptr, residual_out_ptr, norm_w_ptr, eps,
     N, K, stride_x, stride_w, stride_y, stride_residual,
     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATED_SILU: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # N: output features. BLOCK_N rows of W per program; gated, rows (gate_j, up_j) alternate
+    # (W_up starts N rows below W_gate) and the program writes BLOCK_N // 2 features
+    r = tl.arange(0, BLOCK_N)
+    if GATED:
+        n = tl.program_id(0) * (BLOCK_N // 2) + r // 2
+        w_row = n + (r % 2) * N
+    else:
+        n = tl.program_id(0) * BLOCK_N + r
+        w_row = n
     n_mask = n < N
     k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_w
+    w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_w
     w_first = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
     wait_for_previous(USE_PDL)
     for row in tl.static_range(ROWS):  # a second row re-reads W (after the first tile) from L2
@@ -81,22 +96,25 @@ def _gemv_kernel(
                     tl.store(residual_out_ptr + row * K + cols, x, mask=cols < K)
             xf = x.to(tl.float32)
             inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
-        x = _input_chunk(
-            x_row, residual_row, norm_w_ptr, k, k < K, inv_rms, K, GATED_SILU, NORM, HAS_RESIDUAL
-        )
+        x = _input_chunk(x_row, residual_row, norm_w_ptr, k, k < K, inv_rms, NORM, HAS_RESIDUAL)
         acc = w_first.to(tl.float32) * x.to(tl.float32)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k_mask = k0 + k < K
             w = tl.load(w_rows + k0 + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             x = _input_chunk(
-                x_row, residual_row, norm_w_ptr, k0 + k, k_mask, inv_rms, K,
-                GATED_SILU, NORM, HAS_RESIDUAL,
-            )  # fmt: skip
+                x_row, residual_row, norm_w_ptr, k0 + k, k_mask, inv_rms, NORM, HAS_RESIDUAL
+            )
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, 1)
         if HAS_BIAS:
-            y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * stride_y + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+            y += tl.load(b_ptr + w_row, mask=n_mask, other=0.0).to(tl.float32)
+        if GATED:
+            gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+            first = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            out = _silu_and_mul(gate, up, y_ptr.dtype.element_ty)
+            tl.store(y_ptr + row * stride_y + first, out, mask=first < N)
+        else:
+            tl.store(y_ptr + row * stride_y + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def use_gemv(rows: int, n: int) -> bool:
@@ -105,18 +123,23 @@ def use_gemv(rows: int, n: int) -> bool:
     return rows == 1 or (rows == 2 and n <= _FEW_FEATURES)
 
 
-def default_config(n: int, k: int, gated_silu: bool = False) -> GemvConfig:
-    """The tile for W [n, k], from bench_gemv.py's sweeps on an H200 (one row, kernels launched
-    with PDL): with many output features, wide programs; with few, long rows per program (each
-    program reads a whole row of the o_proj), or one feature per program over long rows. With
-    SiLU-and-mul fused in, every program computes its x from twice as many inputs: two features
-    per program halve that traffic (103 us against 132 us for one, on the down_proj)."""
-    if n > _FEW_FEATURES:
+def default_config(n: int, k: int, norm: bool = False, gated: bool = False) -> GemvConfig:
+    """The tile for W [n, k] (n: rows of W), from bench_gemv.py's sweeps on an H200 (one row,
+    kernels launched with PDL): with many output features, wide programs; with few, long rows per
+    program (each program reads a whole row of the o_proj), or one feature per program over long
+    rows. The fused variants have their own best tiles (Qwen3-0.6B, 28 layers): the QKV
+    projection with the norm 96.5 us at (16, 1024, 4) against 105.4 at (16, 512, 8); the gated
+    gate/up projection 122.2 us at (8, 512, 4) against 129.1."""
+    if gated:
+        block_n, block_k, num_warps = 8, 512, 4
+    elif norm and n > _FEW_FEATURES:
+        block_n, block_k, num_warps = 16, 1024, 4
+    elif n > _FEW_FEATURES:
         block_n, block_k, num_warps = 16, 512, 8
     elif k <= 2048:
         block_n, block_k, num_warps = 8, 2048, 4
     else:
-        block_n, block_k, num_warps = (2, 1024, 8) if gated_silu else (1, 1024, 8)
+        block_n, block_k, num_warps = 1, 1024, 8
     return GemvConfig(block_n, min(block_k, max(16, triton.next_power_of_2(k))), num_warps)
 
 
@@ -127,7 +150,6 @@ class Prologue(NamedTuple):
     eps: float = 0.0
     residual: torch.Tensor | None = None  # added to x first; the sum goes to residual_out
     residual_out: torch.Tensor | None = None  # [rows, K], contiguous
-    gated_silu: bool = False  # x = [gate | up]: the input is silu(gate) * up
 
 
 _NO_PROLOGUE = Prologue()
@@ -139,25 +161,28 @@ def linear(
     bias: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     prologue: Prologue = _NO_PROLOGUE,
+    gated: bool = False,
 ) -> torch.Tensor:
     """F.linear for x of a few rows ([rows, K], last dimension contiguous), after the prologue's
-    op on x."""
+    op on x; gated: W = [W_gate; W_up] and the result is silu(x @ W_gate^T) * (x @ W_up^T)."""
     rows = x.shape[0]
-    n, k = weight.shape
-    assert weight.stride(1) == 1 and x.stride(1) == 1
-    assert x.shape[1] == (2 * k if prologue.gated_silu else k)
+    w_rows, k = weight.shape
+    assert weight.stride(1) == 1 and x.stride(1) == 1 and x.shape[1] == k
     norm, residual, residual_out = prologue.norm_weight, prologue.residual, prologue.residual_out
     assert (residual is None) == (residual_out is None) and (norm is not None or residual is None)
     assert residual_out is None or residual_out.is_contiguous()
-    block_n, block_k, num_warps = config or default_config(n, k, prologue.gated_silu)
+    block_n, block_k, num_warps = config or default_config(w_rows, k, norm is not None, gated)
+    n = w_rows // 2 if gated else w_rows
+    features_per_program = block_n // 2 if gated else block_n
+    assert not gated or (w_rows % 2 == 0 and block_n % 2 == 0)
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(triton.cdiv(n, features_per_program),)](
         x, weight, weight if bias is None else bias, y, x if residual is None else residual,
         x if residual_out is None else residual_out, weight if norm is None else norm,
         prologue.eps, n, k, x.stride(0), weight.stride(0), y.stride(0),
         0 if residual is None else residual.stride(0),
         ROWS=rows, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        GATED_SILU=prologue.gated_silu, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_ROW=triton.next_power_of_2(k) if norm is not None else 1,
         num_warps=num_warps, **pdl_args(x.device),
     )  # fmt: skip
