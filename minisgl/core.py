@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 from minisgl.utils import pack_to_device, ragged_arange, repeat_each
@@ -194,14 +195,20 @@ def build_batch(
     else:  # thousands of tokens: built in bulk, not with a Python step per token
         token_slots = repeat_each(slots, extend_lens)
         positions = ragged_arange(prefix_lens, extend_lens)
+    # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
+    # gathers take as is (a 2-D int32 index would cost two conversion kernels per gather)
+    assert max(token_table.numel(), page_table.numel()) < 2**31
+    token_slots, positions = np.asarray(token_slots), np.asarray(positions)
     t = pack_to_device(
         page_table.device,
         torch.int32,
-        token_slots=token_slots,
         positions=positions,
         slots=slots,
         seq_lens=seq_lens,
         cu_seqlens_q=cu_seqlens,
+        last_indices=[end - 1 for end in cu_seqlens[1:]],
+        token_entries=token_slots * token_table.shape[1] + positions,
+        page_entries=token_slots * page_table.shape[1] + positions,
         **extra,
     )
     batch = Batch(
@@ -209,13 +216,13 @@ def build_batch(
         prefix_lens=prefix_lens,
         extend_lens=extend_lens,
         sample_rows=list(range(len(reqs))) if sample_rows is None else sample_rows,
-        input_ids=token_table[t["token_slots"], t["positions"]],
+        input_ids=token_table.view(-1).index_select(0, t["token_entries"]),
         positions=t["positions"],
-        out_loc=page_table[t["token_slots"], t["positions"]],
+        out_loc=page_table.view(-1).index_select(0, t["page_entries"]),
         slots=t["slots"],
         seq_lens=t["seq_lens"],
         cu_seqlens_q=t["cu_seqlens_q"],
-        last_indices=t["cu_seqlens_q"][1:] - 1,
+        last_indices=t["last_indices"],
         is_decode=is_decode,
     )
     return batch, {name: t[name] for name in extra}

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark" / "offline"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark" / "host"))
 import bench
+import bench_decode_step
 import latency
 from common import floor_bytes, make_workload
 
@@ -71,3 +73,9 @@ def test_latency_reports_the_requested_tokens(checkpoint) -> None:
     args = ["--model", str(checkpoint("llama")), *SMOKE, "--prompt-len", "16", "--output-len", "8"]
     ours, floor = latency.main(args)["rows"]
     assert ours["output_tokens"] == floor["output_tokens"] == 8
+
+
+def test_decode_step_benchmark_builds_each_batch_size() -> None:
+    rows = bench_decode_step.main(["--steps", "20"])
+    assert [row["batch"] for row in rows] == [1, 16, 256]
+    assert all(0 < row["median_us"] <= row["p90_us"] for row in rows)

@@ -1,9 +1,10 @@
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from minisgl.utils import Registry, host_tensor, ragged_arange, to_device
+from minisgl.utils import Registry, ragged_arange, to_device
 
 from .allocator import PageAllocator
 from .prefix_cache import NaiveCache, PrefixCache
@@ -35,7 +36,7 @@ class KVCacheManager:
         # page count) and all their pages, in order
         self._pending_runs: list[tuple[int, int, int]] = []
         self._pending_pages: list[int] = []
-        self._offsets = torch.arange(page_size)  # a page's token offsets, on the host
+        self._offsets = np.arange(page_size)  # a page's token offsets
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -135,10 +136,11 @@ class KVCacheManager:
         ps, width = self.page_size, self.page_table.shape[1]
         # a run's pages cover consecutive positions of one row: a range of the flattened table
         starts = [slot * width + first * ps for slot, first, _ in runs]
-        entries = ragged_arange(starts, [count * ps for _, _, count in runs])
-        # pool locations, [pages, page_size]
-        locs = host_tensor(pages, torch.int64)[:, None] * ps + self._offsets
-        entries, locs = to_device(torch.stack([entries, locs.flatten()]), self.page_table.device)
+        entries = ragged_arange(starts, [count * ps for _, _, count in runs]).numpy()
+        # pool locations, [pages, page_size], built in numpy (a torch op costs more on the host)
+        locs = np.array(pages, dtype=np.int64)[:, None] * ps + self._offsets
+        host = torch.from_numpy(np.stack([entries, locs.ravel()]))
+        entries, locs = to_device(host, self.page_table.device)
         self.page_table.view(-1)[entries] = locs.int()
 
     # ------------------------------------------------------------------ checks

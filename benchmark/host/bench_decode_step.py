@@ -1,0 +1,70 @@
+"""Host time to schedule one decode step: reserve each request's next KV page, write the page table,
+and build the batch (its host-to-device copy and the input gathers), as the scheduler does for
+every decode step. At one request on an H200 this host work, not the GPU, sets the step time
+(benchmark/RESULTS.md, fourth session), so it is timed here on its own, with no model.
+
+    python benchmark/host/bench_decode_step.py                  # the CPU (no GPU needed)
+    python benchmark/host/bench_decode_step.py --device cuda
+"""
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from minisgl.core import Req, SamplingParams, build_batch
+from minisgl.kvcache import KVCacheManager
+from minisgl.utils import resolve_device
+
+
+def time_steps(batch_size: int, device: torch.device, steps: int, context: int) -> list[float]:
+    """Seconds per scheduled decode step for batch_size requests of `context` tokens each."""
+    width = context + steps + 1
+    page_table = torch.zeros((batch_size + 1, width), dtype=torch.int32, device=device)
+    token_table = torch.zeros_like(page_table)
+    kv = KVCacheManager(batch_size * width, 1, page_table, "radix")
+    reqs = [Req(i, [1] * context, SamplingParams(), seed=i, slot=i) for i in range(batch_size)]
+    for req in reqs:
+        kv.admit(req.slot, [])
+        assert kv.reserve(req.slot, context)
+    kv.flush()
+    lens = [context] * batch_size
+    seconds = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        assert kv.reserve_all([(req.slot, n + 1) for req, n in zip(reqs, lens, strict=True)])
+        kv.flush()
+        batch, _ = build_batch(reqs, lens, [1] * batch_size, page_table, token_table)
+        seconds.append(time.perf_counter() - start)
+        assert batch.is_decode and batch.num_tokens == batch_size
+        lens = [n + 1 for n in lens]
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=2000)
+    args = parser.parse_args(argv)
+    device = resolve_device(args.device)
+    torch.set_num_threads(1)
+    rows = []
+    print(f"{'batch':>6} {'median us/step':>15} {'p90 us/step':>12}")
+    for batch_size in (1, 16, 256):
+        seconds = time_steps(batch_size, device, args.steps, context=256)[args.steps // 10 :]
+        row = {
+            "batch": batch_size,
+            "median_us": 1e6 * statistics.median(seconds),
+            "p90_us": 1e6 * statistics.quantiles(seconds, n=10)[-1],
+        }
+        print(f"{batch_size:>6} {row['median_us']:>15.1f} {row['p90_us']:>12.1f}")
+        rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
