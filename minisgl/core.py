@@ -191,14 +191,13 @@ def build_batch(
     cu_seqlens = list(itertools.accumulate(extend_lens, initial=0))
     is_decode = cu_seqlens[-1] == len(reqs)
     if is_decode:
-        token_slots, positions = slots, prefix_lens
+        token_slots, positions = np.array(slots), np.array(prefix_lens)
     else:  # thousands of tokens: built in bulk, not with a Python step per token
         token_slots = repeat_each(slots, extend_lens)
         positions = ragged_arange(prefix_lens, extend_lens)
     # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
     # gathers take as is (a 2-D int32 index would cost two conversion kernels per gather)
     assert max(token_table.numel(), page_table.numel()) < 2**31
-    token_slots, positions = np.asarray(token_slots), np.asarray(positions)
     t = pack_to_device(
         page_table.device,
         torch.int32,

@@ -136,7 +136,7 @@ class KVCacheManager:
         ps, width = self.page_size, self.page_table.shape[1]
         # a run's pages cover consecutive positions of one row: a range of the flattened table
         starts = [slot * width + first * ps for slot, first, _ in runs]
-        entries = ragged_arange(starts, [count * ps for _, _, count in runs]).numpy()
+        entries = ragged_arange(starts, [count * ps for _, _, count in runs])
         # pool locations, [pages, page_size], built in numpy (a torch op costs more on the host)
         locs = np.array(pages, dtype=np.int64)[:, None] * ps + self._offsets
         host = torch.from_numpy(np.stack([entries, locs.ravel()]))

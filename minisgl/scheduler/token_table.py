@@ -1,8 +1,9 @@
 import itertools
 
+import numpy as np
 import torch
 
-from minisgl.utils import host_tensor, ragged_arange, to_device
+from minisgl.utils import ragged_arange, to_device
 
 
 class TokenTable:
@@ -42,7 +43,7 @@ class TokenTable:
         starts = [slot * width + start for slot, start, _ in self._pending]
         entries = ragged_arange(starts, [len(ids) for _, _, ids in self._pending])
         token_ids = list(itertools.chain.from_iterable(ids for _, _, ids in self._pending))
-        host = torch.stack([entries, host_tensor(token_ids, torch.int64)])
+        host = torch.from_numpy(np.stack([entries, np.array(token_ids, dtype=np.int64)]))
         self._pending.clear()
         entries, values = to_device(host, self.device)
         self.table.view(-1)[entries] = values.int()

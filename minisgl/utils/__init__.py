@@ -3,7 +3,6 @@ from .logger import init_logger
 from .misc import div_ceil, div_even
 from .registry import Registry
 from .torch_utils import (
-    host_tensor,
     pack_to_device,
     ragged_arange,
     repeat_each,
@@ -19,7 +18,6 @@ __all__ = [
     "cached_load_hf_config",
     "div_ceil",
     "div_even",
-    "host_tensor",
     "init_logger",
     "load_eos_token_ids",
     "pack_to_device",

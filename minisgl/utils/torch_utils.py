@@ -52,32 +52,27 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 
-def host_tensor(values: Sequence[int] | Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of Python numbers."""
-    return torch.from_numpy(np.fromiter(values, _NUMPY_DTYPES[dtype], count=len(values)))
+def repeat_each(values: Sequence[int], counts: Sequence[int]) -> np.ndarray:
+    """values[i] repeated counts[i] times, back to back (int64)."""
+    return np.repeat(np.array(values, dtype=np.int64), counts)
 
 
-def repeat_each(values: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
-    """values[i] repeated counts[i] times, back to back (CPU int64)."""
-    return torch.from_numpy(np.repeat(np.array(values, dtype=np.int64), counts))
-
-
-def ragged_arange(starts: Sequence[int], lens: Sequence[int]) -> torch.Tensor:
-    """The ranges [starts[i], starts[i] + lens[i]) back to back (CPU int64), without a Python loop
+def ragged_arange(starts: Sequence[int], lens: Sequence[int]) -> np.ndarray:
+    """The ranges [starts[i], starts[i] + lens[i]) back to back (int64), without a Python loop
     over their elements."""
     lens_np = np.array(lens, dtype=np.int64)
     # output index k in range i holds starts[i] + (k - lens before range i)
     shifts = np.array(starts, dtype=np.int64) - (np.cumsum(lens_np) - lens_np)
-    return torch.from_numpy(np.arange(lens_np.sum()) + np.repeat(shifts, lens_np))
+    return np.arange(lens_np.sum()) + np.repeat(shifts, lens_np)
 
 
 def pack_to_device(
     device: torch.device,
     dtype: torch.dtype,
-    **columns: Sequence[int] | Sequence[float] | torch.Tensor | np.ndarray,
+    **columns: Sequence[int] | Sequence[float] | np.ndarray,
 ) -> dict[str, torch.Tensor]:
-    """Copy several host columns (lists, CPU tensors or arrays) to the device in one transfer; returns a
-    view per name.
+    """Copy several host columns (lists or arrays) to the device in one transfer; returns a view
+    per name.
 
     Each view starts 16-byte aligned: Triton compiles a kernel variant per pointer alignment, so
     unaligned views would make new batch sizes compile new variants while serving."""
@@ -89,8 +84,8 @@ def pack_to_device(
     np_dtype = _NUMPY_DTYPES[dtype]
     host = np.zeros(end, dtype=np_dtype)  # filled in numpy: no torch op per column
     for name, values in columns.items():
-        if isinstance(values, (torch.Tensor, np.ndarray)):
-            host[views[name]] = np.asarray(values)
+        if isinstance(values, np.ndarray):
+            host[views[name]] = values
         else:  # fromiter converts a list of Python numbers faster than slice assignment
             host[views[name]] = np.fromiter(values, np_dtype, count=len(values))
     packed = to_device(torch.from_numpy(host), device)
