@@ -182,10 +182,13 @@ def build_batch(
     page_table: torch.Tensor,
     token_table: torch.Tensor,
     sample_rows: list[int] | None = None,
-    **extra: list[int],
+    page_writes: tuple[np.ndarray, np.ndarray] | None = None,
+    **extra: Sequence[int] | np.ndarray,
 ) -> tuple[Batch, dict[str, torch.Tensor]]:
     """The batch computing tokens [prefix, prefix + extend) of each request (in its `slot` row),
-    built with one host-to-device transfer; `extra` per-request columns ride along (returned)."""
+    built with one host-to-device transfer. `page_writes` (flat page-table entries and their pool
+    locations, from KVCacheManager.take_page_writes) ride along and are written before the
+    batch's KV locations are read from the table; so do the `extra` columns (returned)."""
     slots = [req.slot for req in reqs]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     cu_seqlens = list(itertools.accumulate(extend_lens, initial=0))
@@ -196,8 +199,9 @@ def build_batch(
         token_slots = repeat_each(slots, extend_lens)
         positions = ragged_arange(prefix_lens, extend_lens)
     # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
-    # gathers take as is (a 2-D int32 index would cost two conversion kernels per gather)
+    # gathers and scatters take as is (a 2-D int32 index would cost two conversion kernels each)
     assert max(token_table.numel(), page_table.numel()) < 2**31
+    write_entries, write_locs = page_writes if page_writes is not None else ((), ())
     t = pack_to_device(
         page_table.device,
         torch.int32,
@@ -208,8 +212,12 @@ def build_batch(
         last_indices=[end - 1 for end in cu_seqlens[1:]],
         token_entries=token_slots * token_table.shape[1] + positions,
         page_entries=token_slots * page_table.shape[1] + positions,
+        page_write_entries=write_entries,
+        page_write_locs=write_locs,
         **extra,
     )
+    if len(write_entries):
+        page_table.view(-1).scatter_(0, t["page_write_entries"], t["page_write_locs"])
     batch = Batch(
         reqs=reqs,
         prefix_lens=prefix_lens,

@@ -1,7 +1,6 @@
 """The radix prefix cache and the KV cache manager's accounting."""
 
 import pytest
-import torch
 
 from minisgl.kvcache import KVCacheManager, RadixCache
 
@@ -50,18 +49,37 @@ def test_integrity_check_detects_a_lock_nobody_holds() -> None:
 
 
 def make_manager(num_pages: int = 8, page_size: int = 2, cache: str = "radix") -> KVCacheManager:
-    return KVCacheManager(num_pages, page_size, torch.zeros((4, 32), dtype=torch.int32), cache)
+    return KVCacheManager(num_pages, page_size, 32, cache)
 
 
-def test_manager_writes_page_locations_into_the_page_table() -> None:
+def test_manager_hands_out_each_assigned_page_table_entry_once() -> None:
     kv = make_manager()
     kv.admit(1, [])
     assert kv.reserve(1, 5)  # 3 pages of 2
-    kv.flush()
-    locs = kv.page_table[1, :6].tolist()
-    pages = [loc // 2 for loc in locs]
-    assert [loc % 2 for loc in locs] == [0, 1] * 3 and len(set(pages)) == 3
+    entries, locs = kv.take_page_writes()
+    assert entries.tolist() == [32 + i for i in range(6)]  # row 1, positions 0-5
+    pages = [loc // 2 for loc in locs.tolist()]
+    assert [loc % 2 for loc in locs.tolist()] == [0, 1] * 3 and len(set(pages)) == 3
+    assert kv.reserve(1, 7)  # one more page, at positions 6-7
+    entries, new_locs = kv.take_page_writes()
+    assert entries.tolist() == [38, 39] and not set(new_locs.tolist()) & set(locs.tolist())
+    assert all(len(a) == 0 for a in kv.take_page_writes())
     kv.check_integrity()
+
+
+def test_a_released_slot_leaves_no_pending_page_table_write() -> None:
+    # a slot given up before its entries went out is reused: only the new owner's entries count,
+    # so the table never gets two writes to one entry in a step
+    kv = make_manager()
+    kv.admit(2, [])
+    assert kv.reserve(2, 4)
+    kv.release(2, [])
+    kv.admit(2, [])
+    assert kv.reserve(2, 2)
+    entries, locs = kv.take_page_writes()
+    assert entries.tolist() == [64, 65] and locs.tolist() == [
+        kv._pages[2][0] * 2 + i for i in (0, 1)
+    ]
 
 
 def test_released_prefix_is_reused_and_accounting_holds() -> None:

@@ -44,13 +44,14 @@ PROMPT = [7, 300, 12, 99, 450, 3, 81, 81, 200, 17, 64, 5]
 
 def prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one prompt, through the real pool and attention backend."""
-    kv = KVCacheManager(engine.num_pages, engine.page_size, engine.page_table, "naive")
+    kv = KVCacheManager(engine.num_pages, engine.page_size, engine.page_table.shape[1], "naive")
     kv.admit(0, [])
     assert kv.reserve(0, len(ids))
-    kv.flush()
     tokens = torch.tensor([ids], dtype=torch.int32, device=engine.device)
     req = Req(rid=0, prompt_ids=ids, params=SamplingParams(), seed=0, slot=0)
-    batch, _ = build_batch([req], [0], [len(ids)], engine.page_table, tokens)
+    batch, _ = build_batch(
+        [req], [0], [len(ids)], engine.page_table, tokens, page_writes=kv.take_page_writes()
+    )
     batch.all_logits = True
     return engine.forward_logits(batch).float().cpu()
 

@@ -1,10 +1,10 @@
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
-from minisgl.utils import Registry, ragged_arange, to_device
+from minisgl.utils import Registry, ragged_arange
 
 from .allocator import PageAllocator
 from .prefix_cache import NaiveCache, PrefixCache
@@ -16,26 +16,24 @@ PREFIX_CACHES.register("naive")(NaiveCache)
 
 
 class KVCacheManager:
-    """Which KV pages each request slot holds, and the page table that says so.
+    """Which KV pages each request slot holds, and the page-table entries that say so.
 
-    The page table ([slots + 1, max_seq_len] on the device) maps a slot's token positions to pool
-    locations. This class is its only writer; attention backends read it.
+    The page table ([slots + 1, table_width] on the device) maps a slot's token positions to pool
+    locations. This class decides every entry; the entries assigned since the last step travel to
+    the device with the step's batch (`take_page_writes`, `build_batch`), in its one transfer.
     """
 
-    def __init__(
-        self, num_pages: int, page_size: int, page_table: torch.Tensor, cache: str
-    ) -> None:
+    def __init__(self, num_pages: int, page_size: int, table_width: int, cache: str) -> None:
         self.page_size = page_size
-        self.page_table = page_table
+        self.table_width = table_width
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PREFIX_CACHES.get(cache)(page_size)
         self._pages: dict[int, list[int]] = {}  # slot -> its pages, in position order
         self._handles: dict[int, Any] = {}  # slot -> locked prefix-cache handle
         self._shared: dict[int, int] = {}  # slot -> leading pages it got from the prefix cache
-        # assigned since the last flush: runs (slot, index of the run's first page in the slot,
-        # page count) and all their pages, in order
-        self._pending_runs: list[tuple[int, int, int]] = []
-        self._pending_pages: list[int] = []
+        # assigned since the last take_page_writes: (slot, index of the first page in the slot,
+        # the pages)
+        self._pending: list[tuple[int, int, list[int]]] = []
         self._offsets = np.arange(page_size)  # a page's token offsets
 
     # ------------------------------------------------------------------ capacity
@@ -119,29 +117,26 @@ class KVCacheManager:
         _, duplicates = self.prefix_cache.insert(ids[: num * self.page_size], pages[:num])
         self.prefix_cache.unlock(self._handles.pop(slot))
         self.allocator.free(duplicates + pages[num:])
+        # entries not yet written are void, and the slot's next owner assigns the same positions
+        self._pending = [run for run in self._pending if run[0] != slot]
 
     def _assign(self, slot: int, pages: list[int]) -> None:
-        """Append pages to the slot; their page-table entries are written at the next flush()."""
-        self._pending_runs.append((slot, len(self._pages[slot]), len(pages)))
-        self._pending_pages += pages
+        """Append pages to the slot; their page-table entries go out with the next batch."""
+        self._pending.append((slot, len(self._pages[slot]), pages))
         self._pages[slot] += pages
 
-    def flush(self) -> None:
-        """Write every page assigned since the last flush into the page table, in one launch.
-        (No position is assigned twice between flushes: a slot only ever grows within a step.)"""
-        runs, pages = self._pending_runs, self._pending_pages
-        self._pending_runs, self._pending_pages = [], []
-        if not pages:
-            return
-        ps, width = self.page_size, self.page_table.shape[1]
+    def take_page_writes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The page-table writes for every page assigned since the last call: (flat entry of
+        the [slots + 1, table_width] table, pool location), int64 arrays. No entry appears twice:
+        a slot only grows until it is released, which drops its pending entries."""
+        runs, self._pending = self._pending, []
+        ps, width = self.page_size, self.table_width
         # a run's pages cover consecutive positions of one row: a range of the flattened table
         starts = [slot * width + first * ps for slot, first, _ in runs]
-        entries = ragged_arange(starts, [count * ps for _, _, count in runs])
-        # pool locations, [pages, page_size], built in numpy (a torch op costs more on the host)
+        entries = ragged_arange(starts, [len(pages) * ps for _, _, pages in runs])
+        pages = list(itertools.chain.from_iterable(pages for _, _, pages in runs))
         locs = np.array(pages, dtype=np.int64)[:, None] * ps + self._offsets
-        host = torch.from_numpy(np.stack([entries, locs.ravel()]))
-        entries, locs = to_device(host, self.page_table.device)
-        self.page_table.view(-1)[entries] = locs.int()
+        return entries, locs.ravel()
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:

@@ -72,7 +72,7 @@ class Scheduler:
         self.max_seq_len = engine.max_seq_len
         self.vocab_size = engine.model_config.vocab_size
         self.kv = KVCacheManager(
-            engine.num_pages, engine.page_size, engine.page_table, config.cache
+            engine.num_pages, engine.page_size, engine.page_table.shape[1], config.cache
         )
         self.tokens = TokenTable(config.max_running_requests, self.max_seq_len, self.device)
         self.stop_checker = StopChecker(eos_ids, self.max_seq_len, tokenizer)
@@ -120,19 +120,19 @@ class Scheduler:
         scheduled = self._schedule()
         launched = None
         if scheduled is not None:
-            batch, write_slots = scheduled
-            launched = _InFlight(batch, self._launch(batch, write_slots))
+            batch, write_entries = scheduled
+            launched = _InFlight(batch, self._launch(batch, write_entries))
         if not self.overlap:
             return self._process(launched) if launched else []
         finished_step, self._in_flight = self._in_flight, launched
         return self._process(finished_step) if finished_step else []
 
-    def _launch(self, batch: Batch, write_slots: torch.Tensor) -> ForwardOutput:
+    def _launch(self, batch: Batch, write_entries: torch.Tensor) -> ForwardOutput:
         """Run the batch; its sampled ids go straight into the token table on the device (rows
         that sample nothing write into the sink row), ready for the next step's inputs."""
         self.stats.steps += 1
         out = self.engine.forward(batch, self.engine.sampler.prepare(batch))
-        self.tokens.scatter(write_slots, batch.seq_lens, out.device.tokens)
+        self.tokens.scatter(write_entries, out.device.tokens)
         return out
 
     def _process(self, step: _InFlight) -> list[ReqOutput]:
@@ -283,27 +283,28 @@ class Scheduler:
             self.tokens.free_slot(req.slot)
 
     def _build_batch(self, picked: list[tuple[Req, int]]) -> tuple[Batch, torch.Tensor]:
-        """The batch, and the token-table row each request's sampled token goes to."""
+        """The batch, and the token-table entry each request's sampled token goes to."""
         reqs = [req for req, _ in picked]
         extend_lens = [extend for _, extend in picked]
         prefix_lens = [req.cached_len for req in reqs]
-        sample_rows, write_slots = [], []
+        sample_rows, write_entries = [], []
         for i, (req, extend) in enumerate(picked):
             req.cached_len += extend
             samples = req.cached_len == req.device_len  # the whole known sequence is computed
-            write_slots.append(req.slot if samples else self.tokens.sink_slot)
+            # the sampled token's place: right after the computed ones, or in the sink row
+            write_slot = req.slot if samples else self.tokens.sink_slot
+            write_entries.append(self.tokens.entry(write_slot, req.cached_len))
             if samples:
                 sample_rows.append(i)
                 if extend > 1:  # a prompt just finished: share its pages with later requests
                     self.kv.cache_prefix(req.slot, req.known_ids[: req.cached_len])
                 req.device_len += 1
-        self.kv.flush()
         self.tokens.flush()
         batch, extra = build_batch(
             reqs, prefix_lens, extend_lens, self.engine.page_table, self.tokens.table,
-            sample_rows, write_slots=write_slots,
+            sample_rows, self.kv.take_page_writes(), write_entries=write_entries,
         )  # fmt: skip
-        return batch, extra["write_slots"]
+        return batch, extra["write_entries"]
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -48,5 +48,10 @@ class TokenTable:
         entries, values = to_device(host, self.device)
         self.table.view(-1)[entries] = values.int()
 
-    def scatter(self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> None:
-        self.table[slots, positions] = ids
+    def entry(self, slot: int, position: int) -> int:
+        """The index of (slot, position) in the flattened table."""
+        return slot * self.table.shape[1] + position
+
+    def scatter(self, entries: torch.Tensor, ids: torch.Tensor) -> None:
+        """Device ids into the table at flat int32 entries (no index conversion kernels)."""
+        self.table.view(-1).scatter_(0, entries, ids)
