@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from minisgl.layers.rotary import RotaryEmbedding
 
 
+# decode batches up to this size run RoPE inside decode attention; larger ones run them apart
+# (benchmark/kernel/bench_attention.py: the fused kernel is slower at batch 256)
+FUSED_ROPE_MAX_BS = 16
+
+
 @dataclass
 class ExtendMetadata:
     """The q-block -> request map that the extend kernel's grid walks."""
@@ -32,8 +37,8 @@ class ExtendMetadata:
 class TritonBackend(AttentionBackend):
     """Paged Triton kernels: split-K decode attention and ragged causal extend attention.
 
-    Decode reads only the Batch's own tensors, so a CUDA graph's static batches work as-is; it
-    also does QK-norm, RoPE and the K/V store itself (a kernel launch per layer fewer)."""
+    Decode reads only the Batch's own tensors, so a CUDA graph's static batches work as-is; for
+    small batches it also does QK-norm, RoPE and the K/V store itself."""
 
     def __init__(self, pool: KVPool, page_table: torch.Tensor) -> None:
         super().__init__(pool, page_table)
@@ -62,7 +67,7 @@ class TritonBackend(AttentionBackend):
         rotary: "RotaryEmbedding",
         qk_norm: QKNorm | None,
     ) -> torch.Tensor:
-        if not batch.is_decode:
+        if not batch.is_decode or q.shape[0] > FUSED_ROPE_MAX_BS:
             return super().forward_qkv(q, k, v, layer_id, batch, rotary, qk_norm)
         rope = DecodeRope(k, v, batch.out_loc, rotary.cos_sin_cache, qk_norm)
         return self._decode(q.view(q.shape[0], -1, rotary.head_size), layer_id, batch, rope)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_block import attend_block, dot_block
+from .attention_block import attend_block, attend_kv, dot_block, load_kv_block
 from .pdl import pdl_args, wait_for_previous
 from .rope import norm_rope_rows
 
@@ -107,8 +107,9 @@ def _split_kernel(
     HAS_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if not FUSE_ROPE:
+        wait_for_previous(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + req)
     slot = tl.load(slots_ptr + req).to(tl.int64)
     split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
@@ -123,43 +124,68 @@ def _split_kernel(
     d_mask = d < HEAD_DIM
     q_row_ptrs = q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head
     q_mask = head_mask[:, None] & d_mask[None, :]
+    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1  # the new token sees every key
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    page_row_ptr = page_table_ptr + slot * stride_pt_row
     k_head_ptr = k_ptr + kv_head * stride_k_head
     v_head_ptr = v_ptr + kv_head * stride_v_head
-    if FUSE_ROPE:  # the new token sits at position seq_len - 1
+    pool_end = end  # this split's keys read from the pool: [start, pool_end)
+    loop_start = start
+    if FUSE_ROPE:  # the new token sits at position seq_len - 1; its K/V are not in the pool yet
+        pool_end = tl.minimum(end, seq_len - 1)
         partner = (d + HEAD_DIM // 2) % HEAD_DIM
         cos_sin_row = cos_sin_ptr + (seq_len - 1).to(tl.int64) * stride_cos_sin
         cos = tl.load(cos_sin_row + d % (HEAD_DIM // 2), mask=d_mask, other=0.0)
         sin = tl.load(cos_sin_row + HEAD_DIM // 2 + d % (HEAD_DIM // 2), mask=d_mask, other=0.0)
+        # only the raw q/k/v come from the previous kernel (the QKV projection): the first block
+        # of keys is read while it finishes (see pdl.py)
+        first_pos = start + tl.arange(0, BLOCK_N)
+        first_in_range = first_pos < pool_end
+        k_first, v_first = load_kv_block(
+            first_pos, first_in_range, page_row_ptr, k_head_ptr, v_head_ptr, stride_k_loc,
+            stride_v_loc, d, d_mask,
+        )  # fmt: skip
+        wait_for_previous(USE_PDL)
         q = norm_rope_rows(
             q_row_ptrs + d[None, :], q_row_ptrs + partner[None, :], q_mask, d, partner, cos, sin,
             q_norm_ptr, eps, HEAD_DIM, HAS_NORM,
         )  # fmt: skip
-        if split == num_used - 1:
+        if start < pool_end:
+            m_i, l_i, acc = attend_kv(
+                q, q_pos, m_i, l_i, acc, first_pos, first_in_range, k_first, v_first, qk_scale
+            )
+        loop_start = start + BLOCK_N
+    else:
+        q = tl.load(q_row_ptrs + d[None, :], mask=q_mask, other=0.0)
+    for block_start in range(loop_start, pool_end, BLOCK_N):
+        pos = block_start + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = attend_block(
+            q, q_pos, m_i, l_i, acc, pos, pos < pool_end, page_row_ptr, k_head_ptr, v_head_ptr,
+            stride_k_loc, stride_v_loc, d, d_mask, qk_scale,
+        )  # fmt: skip
+    if FUSE_ROPE:  # noqa: SIM102  (a compile-time branch: the names below exist only with it)
+        if split == num_used - 1:  # the split holding the new token attends to it from registers
             k_row_ptr = k_new_ptr + req * stride_k_new_tok + kv_head * stride_k_new_head
             k_new = norm_rope_rows(
                 k_row_ptr + d, k_row_ptr + partner, d_mask, d, partner, cos, sin, k_norm_ptr,
                 eps, HEAD_DIM, HAS_NORM,
             )  # fmt: skip
             v_row_ptr = v_new_ptr + req * stride_v_new_tok + kv_head * stride_v_new_head
-            loc = tl.load(out_loc_ptr + req).to(tl.int64)
+            v_new = tl.load(v_row_ptr + d, mask=d_mask, other=0.0)
+            # attend_block's arithmetic for one key: fp32 score, p rounded to V's dtype for P @ V
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+            m_new = tl.maximum(m_i, score)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(score - m_new)
+            p_v = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+            acc = acc * alpha[:, None] + p_v
+            l_i = l_i * alpha + p
+            m_i = m_new
+            loc = tl.load(out_loc_ptr + req).to(tl.int64)  # and stores it for later steps
             tl.store(k_head_ptr + loc * stride_k_loc + d, k_new, mask=d_mask)
-            v_new = tl.load(v_row_ptr + d, mask=d_mask)
             tl.store(v_head_ptr + loc * stride_v_loc + d, v_new, mask=d_mask)
-            tl.debug_barrier()  # the loop below reads the new row back, in other threads
-    else:
-        q = tl.load(q_row_ptrs + d[None, :], mask=q_mask, other=0.0)
-    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1  # the new token sees every key
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    page_row_ptr = page_table_ptr + slot * stride_pt_row
-    for block_start in range(start, end, BLOCK_N):
-        pos = block_start + tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = attend_block(
-            q, q_pos, m_i, l_i, acc, pos, pos < end, page_row_ptr, k_head_ptr, v_head_ptr,
-            stride_k_loc, stride_v_loc, d, d_mask, qk_scale,
-        )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only an unused split (stores nothing) has no keys
     out = acc / l_i[:, None]
