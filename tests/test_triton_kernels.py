@@ -134,47 +134,6 @@ def test_decode_attention_matches_reference_for_any_split_count(num_splits, page
         assert counters.count_nonzero() == 0
 
 
-@pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("num_splits", [1, 8])
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_with_rope_equals_the_rope_kernel_then_attention(
-    qk_norm, num_splits, page_size, dtype
-):
-    torch.manual_seed(0)
-    seq_lens = [1, 70, 300, 17]  # at 8 splits: the new token in split 0 and in splits 1 to 4
-    bs, q_heads, kv_heads, d = len(seq_lens), 4, 2, HEAD_DIM
-    kv = PagedKV(seq_lens, page_size, kv_heads, dtype)
-    batch = kv.batch([n - 1 for n in seq_lens], [1] * bs)  # positions: seq_len - 1
-    qkv = randn(bs, (q_heads + 2 * kv_heads) * d, dtype=dtype)
-    norm = (randn(d, dtype=dtype), randn(d, dtype=dtype), 1e-6) if qk_norm else None
-    cos_sin = torch.randn(max(seq_lens), d, device=DEVICE)
-    k_cache, v_cache = kv.pool.k_cache(0), kv.pool.v_cache(0)
-    before = k_cache.clone(), v_cache.clone()
-
-    # the reference: the RoPE op stores the new K/V, then the torch backend attends
-    ref = qkv.clone()
-    q, k, v = ref.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    store = KVStore(k_cache, v_cache, batch.out_loc, v)
-    torch_ops.apply_rope_inplace(batch.positions, q, k, d, cos_sin, norm, store)
-    want = kv.backend("torch").forward(q.view(bs, q_heads, d), 0, batch)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-
-    k_cache.copy_(before[0])
-    v_cache.copy_(before[1])
-    raw = qkv.clone()
-    q, k, v = raw.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    counters = torch.zeros(bs * kv_heads, dtype=torch.int32, device=DEVICE)
-    rope = triton_ops.DecodeRope(k, v, batch.out_loc, cos_sin, norm)
-    args = (k_cache, v_cache, kv.page_table, batch.slots, batch.seq_lens, num_splits, counters)
-    got = triton_ops.decode_attention(q.view(bs, q_heads, d), *args, rope)
-    assert_close(got, want, ATTENTION_TOL[dtype])
-    assert_close(k_cache, want_k, ELEMENTWISE_TOL[dtype])
-    assert torch.equal(v_cache, want_v)
-    assert torch.equal(raw, qkv)  # the raw projections are only read
-    assert counters.count_nonzero() == 0
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_runs_on_graph_static_metadata_with_padding_rows(dtype):
     """The CUDA-graph runner replays without prepare(), with padding rows that point at the dummy

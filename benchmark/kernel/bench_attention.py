@@ -3,8 +3,6 @@ timed inside a CUDA graph (so launch gaps stay out). Decode is bound by reading 
 reported as GB/s of K+V read next to the device's copy bandwidth; extend (a quarter of each context
 new, after a cached prefix) as TFLOP/s. The ragged rows use the offline benchmark's mix of contexts
 (100-2048 tokens) and sweep the split count, since uneven requests leave SMs idle at the tail.
-The `rope+dec` rows time the RoPE kernel (QK-norm, rotation, K/V store) followed by decode
-attention; the `fused` rows decode attention doing that work itself, as the triton backend runs it.
 
     python benchmark/kernel/bench_attention.py                    # bf16, page size 1 (H200)
     python benchmark/kernel/bench_attention.py --dtype float16 --page-size 16
@@ -18,15 +16,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from minisgl.attention import AttentionBackend, create_attention_backend
 from minisgl.core import Batch, Req, SamplingParams, build_batch
-from minisgl.kernel import KVStore
-from minisgl.kernel.triton import (
-    DecodeRope,
-    apply_rope_inplace,
-    decode_attention,
-    decode_num_splits,
-    extend_attention,
-    num_sms,
-)
+from minisgl.kernel.triton import decode_attention, decode_num_splits, extend_attention, num_sms
 from minisgl.kvcache import KVPool
 
 QO_HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
@@ -119,34 +109,6 @@ def bench_decode(
     ]
 
 
-def bench_decode_rope(setup: Setup, dtype: torch.dtype) -> tuple[list[str], list[str]]:
-    """Rows for the RoPE kernel then decode attention, and for decode attention doing both."""
-    batch = setup.batch(1)
-    bs, d = setup.bs, HEAD_DIM
-    qkv = torch.randn(bs, (QO_HEADS + 2 * KV_HEADS) * d, dtype=dtype, device="cuda")
-    q, k, v = qkv.split([QO_HEADS * d, KV_HEADS * d, KV_HEADS * d], dim=-1)
-    norm = (
-        torch.rand(d, dtype=dtype, device="cuda"),
-        torch.rand(d, dtype=dtype, device="cuda"),
-        1e-6,
-    )
-    cos_sin = torch.randn(max(setup.ctx_lens), d, device="cuda")
-    splits = decode_num_splits(bs, KV_HEADS, num_sms(q.device))
-    args = setup.kernel_args(batch)
-    counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device="cuda")
-    store = KVStore(args[0], args[1], batch.out_loc, v)
-    rope = DecodeRope(k, v, batch.out_loc, cos_sin, norm)
-
-    def two_kernels() -> None:  # rotates q and k again on every call: fine for timing
-        apply_rope_inplace(batch.positions, q, k, d, cos_sin, norm, store)
-        decode_attention(q.view(bs, QO_HEADS, d), *args, splits, counters)
-
-    fused = lambda: decode_attention(q.view(bs, QO_HEADS, d), *args, splits, counters, rope)
-    return tuple(
-        [str(splits), f"{do_bench_cudagraph(f) * 1e3:.1f}", "-", "-"] for f in (two_kernels, fused)
-    )
-
-
 def bench_extend(setup: Setup, dtype: torch.dtype) -> list[str]:
     """A quarter of each context is new, after a cached prefix."""
     extend_len = min(setup.ctx_lens) // 4
@@ -177,7 +139,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {args.dtype}, page size {args.page_size}")
-    widths = [9, 5, 10, 7, 10, 16, 8]
+    widths = [7, 5, 10, 7, 10, 16, 8]
     row = lambda cells: print("".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     row(["kernel", "bs", "ctx", "splits", "us", "achieved", "of copy"])
     for bs in BATCH_SIZES:
@@ -185,9 +147,6 @@ def main() -> None:
             setup = Setup([ctx] * bs, args.page_size, dtype)
             row(["decode", str(bs), str(ctx), *bench_decode(setup, dtype, copy_bw)])
             row(["extend", str(bs), str(ctx), *bench_extend(setup, dtype)])
-        setup = Setup([CONTEXTS[0]] * bs, args.page_size, dtype)
-        for name, cells in zip(("rope+dec", "fused"), bench_decode_rope(setup, dtype), strict=True):
-            row([name, str(bs), str(CONTEXTS[0]), *cells])
     rng = random.Random(0)
     for bs in (64, 256):
         setup = Setup([rng.randint(100, 2048) for _ in range(bs)], args.page_size, dtype)

@@ -1,6 +1,7 @@
 import torch
 
 from minisgl.core import get_global_ctx
+from minisgl.kernel import KVStore
 
 from .base import StateLessOP
 from .norm import RMSNorm
@@ -8,8 +9,8 @@ from .rotary import RotaryEmbedding
 
 
 class AttentionLayer(StateLessOP):
-    """Splits the merged qkv and hands q, k, v to the attention backend, which applies QK-norm
-    and RoPE, writes K/V into the pool and attends over it. Holds no weights of its own."""
+    """Splits the merged qkv; applies QK-norm and RoPE and writes K/V into the pool, in one op;
+    then the attention backend attends over the pool. Holds no weights of its own."""
 
     def __init__(
         self,
@@ -34,10 +35,17 @@ class AttentionLayer(StateLessOP):
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()
         assert ctx.batch is not None and ctx.attn_backend is not None
-        # strided views into qkv: the backend works in place on them, no copies
+        # strided views into qkv: every op below works in place on them, no copies
         q, k, v = qkv.split([self.qo_attn_dim, self.kv_attn_dim, self.kv_attn_dim], dim=-1)
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        o = ctx.attn_backend.forward_qkv(q, k, v, self.layer_id, ctx.batch, self.rotary, qk_norm)
+        pool = ctx.attn_backend.pool
+        kv_store = KVStore(
+            pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), ctx.batch.out_loc, v
+        )
+        q, _ = self.rotary.forward(ctx.batch.positions, q, k, qk_norm, kv_store)
+        o = ctx.attn_backend.forward(
+            q.view(-1, self.num_qo_heads, self.head_dim), self.layer_id, ctx.batch
+        )
         return o.reshape(-1, self.qo_attn_dim)

@@ -18,11 +18,6 @@ class RotaryEmbedding(StateLessOP):
         # underscore: not a weight; computed once at start-up and looked up by position
         self._cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
-    @property
-    def cos_sin_cache(self) -> torch.Tensor:
-        """[max_position, head_size] fp32: cos then sin of each position's angles."""
-        return self._cos_sin_cache
-
     def forward(
         self,
         positions: torch.Tensor,
@@ -35,7 +30,7 @@ class RotaryEmbedding(StateLessOP):
         first (Qwen3's QK-norm) and kv_store writes the rotated keys and the values into the
         pool, in the same kernel."""
         apply_rope_inplace(
-            positions, query, key, self.head_size, self.cos_sin_cache, qk_norm, kv_store
+            positions, query, key, self.head_size, self._cos_sin_cache, qk_norm, kv_store
         )
         return query, key
 

@@ -10,10 +10,6 @@
         then reduces: out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max), and resets the
         counter to 0 for the next launch. A request that needs one split writes its output directly.
 
-With `rope`, the kernel also does the RoPE kernel's work (QK-norm, rotation, the new K/V into the
-pool): every program rotates its query heads itself, and the split holding the new token (the last
-used one) stores the new key and value before it reads its keys.
-
 One launch, not a split kernel and a reduce kernel: a decode step of one request is ~200 kernels
 of a few microseconds, so a launch per layer is worth saving.
 
@@ -24,15 +20,13 @@ request's used splits do nothing.
 
 import functools
 import math
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .attention_block import attend_block, attend_kv, dot_block, load_kv_block
+from .attention_block import attend_block, dot_block
 from .pdl import pdl_args, wait_for_previous
-from .rope import norm_rope_rows
 
 _BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
 _PROGRAMS_PER_SM = 16
@@ -74,13 +68,6 @@ def _split_kernel(
     mid_lse_ptr,  # [bs, qo_heads, NUM_SPLITS] fp32
     o_ptr,  # [bs, qo_heads, HEAD_DIM]
     counter_ptr,  # [>= bs * kv_heads] int32, zero between launches: splits done per (req, kv_head)
-    k_new_ptr,  # with FUSE_ROPE: the step's raw keys and values [bs, kv_heads, D], their pool
-    v_new_ptr,  # locations, the [max_pos, D] cos|sin table and the QK-norm weights
-    out_loc_ptr,
-    cos_sin_ptr,
-    q_norm_ptr,
-    k_norm_ptr,
-    eps,
     qk_scale,
     stride_q_tok,
     stride_q_head,
@@ -91,11 +78,6 @@ def _split_kernel(
     stride_v_loc,
     stride_v_head,
     stride_pt_row,
-    stride_k_new_tok,
-    stride_k_new_head,
-    stride_v_new_tok,
-    stride_v_new_head,
-    stride_cos_sin,
     GROUP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -103,13 +85,10 @@ def _split_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    FUSE_ROPE: tl.constexpr,
-    HAS_NORM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    wait_for_previous(USE_PDL)
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if not FUSE_ROPE:
-        wait_for_previous(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + req)
     slot = tl.load(slots_ptr + req).to(tl.int64)
     split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
@@ -122,70 +101,22 @@ def _split_kernel(
     head_mask = h < GROUP
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    q_row_ptrs = q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head
-    q_mask = head_mask[:, None] & d_mask[None, :]
+    q_ptrs = q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptrs, mask=head_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1  # the new token sees every key
+
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     page_row_ptr = page_table_ptr + slot * stride_pt_row
     k_head_ptr = k_ptr + kv_head * stride_k_head
     v_head_ptr = v_ptr + kv_head * stride_v_head
-    pool_end = end  # this split's keys read from the pool: [start, pool_end)
-    loop_start = start
-    if FUSE_ROPE:  # the new token sits at position seq_len - 1; its K/V are not in the pool yet
-        pool_end = tl.minimum(end, seq_len - 1)
-        partner = (d + HEAD_DIM // 2) % HEAD_DIM
-        cos_sin_row = cos_sin_ptr + (seq_len - 1).to(tl.int64) * stride_cos_sin
-        cos = tl.load(cos_sin_row + d % (HEAD_DIM // 2), mask=d_mask, other=0.0)
-        sin = tl.load(cos_sin_row + HEAD_DIM // 2 + d % (HEAD_DIM // 2), mask=d_mask, other=0.0)
-        # only the raw q/k/v come from the previous kernel (the QKV projection): the first block
-        # of keys is read while it finishes (see pdl.py)
-        first_pos = start + tl.arange(0, BLOCK_N)
-        first_in_range = first_pos < pool_end
-        k_first, v_first = load_kv_block(
-            first_pos, first_in_range, page_row_ptr, k_head_ptr, v_head_ptr, stride_k_loc,
-            stride_v_loc, d, d_mask,
-        )  # fmt: skip
-        wait_for_previous(USE_PDL)
-        q = norm_rope_rows(
-            q_row_ptrs + d[None, :], q_row_ptrs + partner[None, :], q_mask, d, partner, cos, sin,
-            q_norm_ptr, eps, HEAD_DIM, HAS_NORM,
-        )  # fmt: skip
-        if start < pool_end:
-            m_i, l_i, acc = attend_kv(
-                q, q_pos, m_i, l_i, acc, first_pos, first_in_range, k_first, v_first, qk_scale
-            )
-        loop_start = start + BLOCK_N
-    else:
-        q = tl.load(q_row_ptrs + d[None, :], mask=q_mask, other=0.0)
-    for block_start in range(loop_start, pool_end, BLOCK_N):
+    for block_start in range(start, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = attend_block(
-            q, q_pos, m_i, l_i, acc, pos, pos < pool_end, page_row_ptr, k_head_ptr, v_head_ptr,
+            q, q_pos, m_i, l_i, acc, pos, pos < end, page_row_ptr, k_head_ptr, v_head_ptr,
             stride_k_loc, stride_v_loc, d, d_mask, qk_scale,
         )  # fmt: skip
-    if FUSE_ROPE:  # noqa: SIM102  (a compile-time branch: the names below exist only with it)
-        if split == num_used - 1:  # the split holding the new token attends to it from registers
-            k_row_ptr = k_new_ptr + req * stride_k_new_tok + kv_head * stride_k_new_head
-            k_new = norm_rope_rows(
-                k_row_ptr + d, k_row_ptr + partner, d_mask, d, partner, cos, sin, k_norm_ptr,
-                eps, HEAD_DIM, HAS_NORM,
-            )  # fmt: skip
-            v_row_ptr = v_new_ptr + req * stride_v_new_tok + kv_head * stride_v_new_head
-            v_new = tl.load(v_row_ptr + d, mask=d_mask, other=0.0)
-            # attend_block's arithmetic for one key: fp32 score, p rounded to V's dtype for P @ V
-            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
-            m_new = tl.maximum(m_i, score)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(score - m_new)
-            p_v = p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
-            acc = acc * alpha[:, None] + p_v
-            l_i = l_i * alpha + p
-            m_i = m_new
-            loc = tl.load(out_loc_ptr + req).to(tl.int64)  # and stores it for later steps
-            tl.store(k_head_ptr + loc * stride_k_loc + d, k_new, mask=d_mask)
-            tl.store(v_head_ptr + loc * stride_v_loc + d, v_new, mask=d_mask)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only an unused split (stores nothing) has no keys
     out = acc / l_i[:, None]
@@ -243,18 +174,6 @@ def _reduce_splits(
         tl.store(o_ptrs, out.to(o_req_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-class DecodeRope(NamedTuple):
-    """What decode attention needs to do the RoPE kernel's work itself: the step's raw keys and
-    values ([bs, kv_heads * D] or [bs, kv_heads, D], strided views are fine), their pool locations
-    [bs], the [max_pos, D] cos|sin table, and (q_weight, k_weight, eps) for QK-norm, if any."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    out_loc: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -264,15 +183,11 @@ def decode_attention(
     seq_lens: torch.Tensor,
     num_splits: int,
     split_counters: torch.Tensor,
-    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """q: [bs, qo_heads, D] (one token per request); caches: [locations, kv_heads, D];
     page_table: [rows, width] int32 pool locations; slots, seq_lens: [bs] int32 (seq_len >= 1);
     split_counters: int32 zeros, at least bs * kv_heads of them (left zero on return).
-    With rope, q is the raw query (not yet normalised or rotated) and the new K/V are not in the
-    pool yet: the kernel does both, as apply_rope_inplace with a KVStore would (the new token's
-    position is seq_len - 1). Returns [bs, qo_heads, D]. Launch shapes and scratch depend on bs
-    and num_splits only."""
+    Returns [bs, qo_heads, D]. Launch shapes and scratch depend on bs and num_splits only."""
     bs, qo_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = qo_heads // kv_heads
@@ -280,23 +195,14 @@ def decode_attention(
     assert split_counters.numel() >= bs * kv_heads and split_counters.dtype == torch.int32
     mid_o = torch.empty((bs, qo_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, qo_heads, num_splits), dtype=torch.float32, device=q.device)
-    out = torch.empty((bs, qo_heads, head_dim), dtype=q.dtype, device=q.device)
-    if rope is None:  # the rope arguments are never read: q stands in for them
-        key = value = q
-        out_loc, cos_sin, q_norm, k_norm, eps = slots, q, q, q, 0.0
-    else:
-        key, value = (x.view(bs, kv_heads, head_dim) for x in (rope.key, rope.value))
-        out_loc, cos_sin = rope.out_loc, rope.cos_sin_cache
-        q_norm, k_norm, eps = rope.qk_norm if rope.qk_norm is not None else (q, q, 0.0)
+    out = torch.empty_like(q)
     _split_kernel[(bs, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, slots, seq_lens, mid_o, mid_lse, out, split_counters,
-        key, value, out_loc, cos_sin, q_norm, k_norm, eps, head_dim**-0.5 * math.log2(math.e),
+        head_dim**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos_sin.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(group),
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-        FUSE_ROPE=rope is not None, HAS_NORM=rope is not None and rope.qk_norm is not None,
         num_warps=4, num_stages=2, **pdl_args(q.device),
     )  # fmt: skip
     return out

@@ -6,12 +6,10 @@ them are a large share of the step.
     kernel i:    [ ... work ... | tail ]
     kernel i+1:            [ weights | wait ....... | work ... ]
 
-The rule every kernel here keeps, which makes this safe: before `wait_for_previous` it writes
-nothing and reads only what the kernel just before it cannot be writing: weights, or data written
-before that kernel began (the next kernel may launch once every program has passed the wait, so
-when a kernel starts, every kernel before the previous one has finished). After the wait, it sees
-every write of the kernel before. Kernels not launched with PDL (torch's, cuBLAS's) wait for the
-whole previous kernel as usual.
+The rule every kernel here keeps, which makes this safe: before `wait_for_previous` it reads
+nothing but weights (never written during a forward) and writes nothing; after it, it sees every
+write of the kernel before. The next kernel may launch once every program has passed the wait.
+Kernels not launched with PDL (torch's, cuBLAS's) wait for the whole previous kernel as usual.
 
 MINISGL_PDL=0 turns it off (for ablation).
 """

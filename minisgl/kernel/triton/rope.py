@@ -14,27 +14,6 @@ def _mul(a, b):
 
 
 @triton.jit
-def norm_rope_rows(
-    x_ptrs, partner_ptrs, mask, d, partner, cos, sin, norm_w_ptr, eps,
-    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-):  # fmt: skip
-    """Whole heads laid along the last axis (d in [0, HEAD_DIM)): optional RMSNorm over each, then
-    the NeoX rotation, with the roundings of `_rotate_heads`; partner = (d + HALF) % HEAD_DIM, the
-    element each one is paired with; cos and sin per d. Returns the rotated heads."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
-    if HAS_NORM:
-        xf, xpf = x.to(tl.float32), xp.to(tl.float32)
-        scale = tl.rsqrt(tl.sum(xf * xf, axis=-1, keep_dims=True) / HEAD_DIM + eps)
-        w = tl.load(norm_w_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        wp = tl.load(norm_w_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
-        x = ((xf * scale).to(x.dtype).to(tl.float32) * w).to(x.dtype)
-        xp = ((xpf * scale).to(xp.dtype).to(tl.float32) * wp).to(xp.dtype)
-    rotated = _mul(xp, sin.to(x.dtype))
-    return _mul(x, cos.to(x.dtype)) + tl.where(d < HEAD_DIM // 2, -rotated, rotated)
-
-
-@triton.jit
 def _rotate_heads(
     ptr, stride_head, num_heads, cos, sin, i, i_mask, norm_w_ptr, eps,
     HALF, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
