@@ -21,7 +21,7 @@ class AttentionBackend(ABC):
 
     def __init__(self, pool: KVPool, page_table: torch.Tensor) -> None:
         self.pool = pool
-        self.page_table = page_table  # read-only here; the KV cache manager writes it
+        self.page_table = page_table  # read-only here; the KV cache manager decides its entries
 
     def prepare(self, batch: Batch) -> None:  # noqa: B027  (optional hook)
         """Build `batch.attn_metadata` if the backend needs any; called once per batch.

@@ -1,7 +1,8 @@
 """Engine = model + KV pool + attention backend + sampler (+ CUDA graphs).
 
-It computes a batch and returns sampled tokens; it never changes a request. The page table it
-allocates is written by the scheduler's KV cache manager, except the dummy row set up here.
+It computes a batch and returns sampled tokens; it never changes a request. The entries of the
+page table it allocates are decided by the scheduler's KV cache manager (and written with each
+batch), except the dummy row set up here.
 """
 
 import os
