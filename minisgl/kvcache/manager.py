@@ -134,8 +134,8 @@ class KVCacheManager:
         # a run's pages cover consecutive positions of one row: a range of the flattened table
         starts = [slot * width + first * ps for slot, first, _ in runs]
         entries = ragged_arange(starts, [len(pages) * ps for _, _, pages in runs])
-        pages = list(itertools.chain.from_iterable(pages for _, _, pages in runs))
-        locs = np.array(pages, dtype=np.int64)[:, None] * ps + self._offsets
+        all_pages = list(itertools.chain.from_iterable(pages for _, _, pages in runs))
+        locs = np.array(all_pages, dtype=np.int64)[:, None] * ps + self._offsets
         return entries, locs.ravel()
 
     # ------------------------------------------------------------------ checks
