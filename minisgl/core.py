@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from minisgl.attention import AttentionBackend
 
 FinishReason = Literal["stop", "length", "abort"]
+TableWrites = tuple[np.ndarray, np.ndarray]  # flat entries of a device table, and their values
 MAX_LOGPROBS = 20
 
 
@@ -182,13 +183,15 @@ def build_batch(
     page_table: torch.Tensor,
     token_table: torch.Tensor,
     sample_rows: list[int] | None = None,
-    page_writes: tuple[np.ndarray, np.ndarray] | None = None,
+    page_writes: TableWrites | None = None,
+    token_writes: TableWrites | None = None,
     **extra: Sequence[int] | np.ndarray,
 ) -> tuple[Batch, dict[str, torch.Tensor]]:
     """The batch computing tokens [prefix, prefix + extend) of each request (in its `slot` row),
-    built with one host-to-device transfer. `page_writes` (flat page-table entries and their pool
-    locations, from KVCacheManager.take_page_writes) ride along and are written before the
-    batch's KV locations are read from the table; so do the `extra` columns (returned)."""
+    built with one host-to-device transfer. Writes into the page table (pool locations, from
+    KVCacheManager.take_page_writes) and the token table (prompt ids, from TokenTable.take_writes)
+    ride along and land before the batch reads either table; so do the `extra` columns
+    (returned)."""
     slots = [req.slot for req in reqs]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     cu_seqlens = list(itertools.accumulate(extend_lens, initial=0))
@@ -201,7 +204,18 @@ def build_batch(
     # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
     # gathers and scatters take as is (a 2-D int32 index would cost two conversion kernels each)
     assert max(token_table.numel(), page_table.numel()) < 2**31
-    write_entries, write_locs = page_writes if page_writes is not None else ((), ())
+    writes = {
+        name: (table, table_writes)
+        for name, table, table_writes in [
+            ("page", page_table, page_writes),
+            ("token", token_table, token_writes),
+        ]
+        if table_writes is not None and len(table_writes[0])
+    }
+    write_columns: dict[str, np.ndarray] = {}
+    for name, (_, (entries, values)) in writes.items():
+        write_columns[f"{name}_write_entries"] = entries
+        write_columns[f"{name}_write_values"] = values
     t = pack_to_device(
         page_table.device,
         torch.int32,
@@ -212,12 +226,11 @@ def build_batch(
         last_indices=[end - 1 for end in cu_seqlens[1:]],
         token_entries=token_slots * token_table.shape[1] + positions,
         page_entries=token_slots * page_table.shape[1] + positions,
-        page_write_entries=write_entries,
-        page_write_locs=write_locs,
+        **write_columns,
         **extra,
     )
-    if len(write_entries):
-        page_table.view(-1).scatter_(0, t["page_write_entries"], t["page_write_locs"])
+    for name, (table, _) in writes.items():
+        table.view(-1).scatter_(0, t[f"{name}_write_entries"], t[f"{name}_write_values"])
     batch = Batch(
         reqs=reqs,
         prefix_lens=prefix_lens,

@@ -299,10 +299,10 @@ class Scheduler:
                 if extend > 1:  # a prompt just finished: share its pages with later requests
                     self.kv.cache_prefix(req.slot, req.known_ids[: req.cached_len])
                 req.device_len += 1
-        self.tokens.flush()
         batch, extra = build_batch(
             reqs, prefix_lens, extend_lens, self.engine.page_table, self.tokens.table,
-            sample_rows, self.kv.take_page_writes(), write_entries=write_entries,
+            sample_rows, self.kv.take_page_writes(), self.tokens.take_writes(),
+            write_entries=write_entries,
         )  # fmt: skip
         return batch, extra["write_entries"]
 

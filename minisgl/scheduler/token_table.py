@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import torch
 
-from minisgl.utils import ragged_arange, to_device
+from minisgl.utils import ragged_arange
 
 
 class TokenTable:
@@ -32,21 +32,18 @@ class TokenTable:
         self._free_slots.append(slot)
 
     def write(self, slot: int, start: int, ids: list[int]) -> None:
-        """Host-known ids (a prompt); written at the next flush()."""
+        """Host-known ids (a prompt); they go out with the next batch (take_writes)."""
         self._pending.append((slot, start, ids))
 
-    def flush(self) -> None:
-        if not self._pending:
-            return
+    def take_writes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The writes since the last call: (flat entry of the table, token id), int64 arrays."""
+        pending, self._pending = self._pending, []
         width = self.table.shape[1]
         # each write fills consecutive entries of one row: a range of the flattened table
-        starts = [slot * width + start for slot, start, _ in self._pending]
-        entries = ragged_arange(starts, [len(ids) for _, _, ids in self._pending])
-        token_ids = list(itertools.chain.from_iterable(ids for _, _, ids in self._pending))
-        host = torch.from_numpy(np.stack([entries, np.array(token_ids, dtype=np.int64)]))
-        self._pending.clear()
-        entries, values = to_device(host, self.device)
-        self.table.view(-1)[entries] = values.int()
+        starts = [slot * width + start for slot, start, _ in pending]
+        entries = ragged_arange(starts, [len(ids) for _, _, ids in pending])
+        token_ids = itertools.chain.from_iterable(ids for _, _, ids in pending)
+        return entries, np.fromiter(token_ids, np.int64, count=len(entries))
 
     def entry(self, slot: int, position: int) -> int:
         """The index of (slot, position) in the flattened table."""
