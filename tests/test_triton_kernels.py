@@ -135,6 +135,22 @@ def test_decode_attention_matches_reference_for_any_split_count(num_splits, page
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_matches_reference_with_and_without_prefetch(dtype):
+    """Up to 16 requests each program reads its first key block before the PDL wait and the new
+    token's row after it; a larger batch reads everything after the wait. Both match."""
+    torch.manual_seed(0)
+    for seq_lens in ([1, 64, 65, 130], [1 + (7 * i) % 90 for i in range(17)]):
+        kv = PagedKV(seq_lens, 1, 2, dtype)
+        batch = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
+        q, k, v = new_qkv(batch, 4, 2, dtype)
+        want = attend(kv.backend("torch"), batch, (q, k, v))
+        counters = torch.zeros(len(seq_lens) * 2, dtype=torch.int32, device=DEVICE)
+        args = (kv.pool.k_cache(0), kv.pool.v_cache(0), kv.page_table, batch.slots, batch.seq_lens)
+        got = triton_ops.decode_attention(q, *args, 2, counters)
+        assert_close(got, want, ATTENTION_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_runs_on_graph_static_metadata_with_padding_rows(dtype):
     """The CUDA-graph runner replays without prepare(), with padding rows that point at the dummy
     slot: decode must need nothing beyond the Batch's own tensors."""

@@ -16,6 +16,12 @@ of a few microseconds, so a launch per layer is worth saving.
 S depends on the batch size only: a CUDA graph replays the same grid and scratch buffers with new
 seq_lens, so every split derives its token range from seq_lens inside the kernel; programs past a
 request's used splits do nothing.
+
+At a small batch each program reads its first block of keys before waiting for the kernel before
+it (see pdl.py): seq_lens, the page table and every key but the new token's were written before
+the forward began; only the new token's row, which that kernel stores, is read after the wait. At
+one request this is the attention's whole read. At large batches the held block cost more than it
+saved (batch 256 took twice as long), so only batches up to _PREFETCH_MAX_BATCH do it.
 """
 
 import functools
@@ -25,12 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_block import attend_block, dot_block
+from .attention_block import attend_block, attend_loaded, dot_block, load_kv
 from .pdl import pdl_args, wait_for_previous
 
 _BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
 _PROGRAMS_PER_SM = 16
 _MAX_SPLITS = 32
+_PREFETCH_MAX_BATCH = 16
 
 
 @functools.cache
@@ -85,9 +92,11 @@ def _split_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    wait_for_previous(USE_PDL)
+    if not PREFETCH:
+        wait_for_previous(USE_PDL)
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     slot = tl.load(slots_ptr + req).to(tl.int64)
@@ -96,11 +105,29 @@ def _split_kernel(
     start = split * split_len  # past seq_len for an unused split: no keys, nothing stored
     end = tl.minimum(start + split_len, seq_len)
 
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    page_row_ptr = page_table_ptr + slot * stride_pt_row
+    k_head_ptr = k_ptr + kv_head * stride_k_head
+    v_head_ptr = v_ptr + kv_head * stride_v_head
+    if PREFETCH:  # the first block: old keys now, the new token's row after the wait
+        first_pos = start + tl.arange(0, BLOCK_N)
+        first_in = first_pos < end
+        locs = tl.load(page_row_ptr + first_pos, mask=first_in, other=0).to(tl.int64)
+        is_new = first_pos == seq_len - 1
+        k_first, v_first = load_kv(
+            locs, first_in & ~is_new, k_head_ptr, v_head_ptr, stride_k_loc, stride_v_loc, d, d_mask
+        )
+        wait_for_previous(USE_PDL)
+        k_new, v_new = load_kv(
+            locs, first_in & is_new, k_head_ptr, v_head_ptr, stride_k_loc, stride_v_loc, d, d_mask
+        )
+        k_first += k_new  # each row is zero in one of the two
+        v_first += v_new
+
     h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + h
     head_mask = h < GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
     q_ptrs = q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptrs, mask=head_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1  # the new token sees every key
@@ -108,10 +135,13 @@ def _split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    page_row_ptr = page_table_ptr + slot * stride_pt_row
-    k_head_ptr = k_ptr + kv_head * stride_k_head
-    v_head_ptr = v_ptr + kv_head * stride_v_head
-    for block_start in range(start, end, BLOCK_N):
+    rest = start
+    if PREFETCH:
+        m_i, l_i, acc = attend_loaded(
+            q, q_pos, m_i, l_i, acc, k_first, v_first, first_pos, first_in, qk_scale
+        )
+        rest += BLOCK_N
+    for block_start in range(rest, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = attend_block(
             q, q_pos, m_i, l_i, acc, pos, pos < end, page_row_ptr, k_head_ptr, v_head_ptr,
@@ -203,6 +233,6 @@ def decode_attention(
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(group),
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-        num_warps=4, num_stages=2, **pdl_args(q.device),
+        PREFETCH=bs <= _PREFETCH_MAX_BATCH, num_warps=4, num_stages=2, **pdl_args(q.device),
     )  # fmt: skip
     return out

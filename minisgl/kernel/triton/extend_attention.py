@@ -116,6 +116,7 @@ def extend_attention(
         GROUP=qo_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=EXTEND_BLOCK_M,
         BLOCK_D=dot_block(head_dim),
         BLOCK_N=64 if q.element_size() == 2 else 32,  # fp32 tiles take twice the shared memory
-        num_warps=4, num_stages=2, **pdl_args(q.device),
+        # a third stage: 148 against 160 us on a bf16 prefill chunk of 9,430 tokens (H200)
+        num_warps=4, num_stages=3 if q.element_size() == 2 else 2, **pdl_args(q.device),
     )  # fmt: skip
     return out

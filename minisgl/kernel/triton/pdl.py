@@ -7,9 +7,15 @@ them are a large share of the step.
     kernel i+1:            [ weights | wait ....... | work ... ]
 
 The rule every kernel here keeps, which makes this safe: before `wait_for_previous` it reads
-nothing but weights (never written during a forward) and writes nothing; after it, it sees every
-write of the kernel before. The next kernel may launch once every program has passed the wait.
-Kernels not launched with PDL (torch's, cuBLAS's) wait for the whole previous kernel as usual.
+nothing but weights and the step's inputs, and writes nothing; after it, it sees every write of the
+kernel before. The inputs (positions, seq_lens, the page table, the K/V of earlier steps) are
+written by copies and torch kernels, which are not launched with PDL: the forward's first PDL
+kernel waits for them to finish, and every later one launches after it. Kernels not launched with
+PDL (torch's, cuBLAS's) wait for the whole previous kernel as usual.
+
+The next kernel may launch once every program has passed the wait (`wait_for_previous`), or, for a
+kernel whose successor reads much before its own wait, as soon as every program has started
+(`launch_next_then_wait`): RoPE lets decode attention prefetch its keys while RoPE runs.
 
 MINISGL_PDL=0 turns it off (for ablation).
 """
@@ -43,3 +49,12 @@ def wait_for_previous(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def launch_next_then_wait(USE_PDL: tl.constexpr):
+    """Let the next kernel launch now, then wait until the previous kernel's writes are visible:
+    the next kernel's work before its own wait overlaps this whole kernel."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from ..torch_ops import KVStore
-from .pdl import pdl_args, wait_for_previous
+from .pdl import launch_next_then_wait, pdl_args
 
 
 @triton.jit
@@ -52,13 +52,15 @@ def _rope_kernel(
 ):  # fmt: skip
     """Program (token, 0) rotates the query heads; (token, 1) the key heads, and writes K and V
     into the pool at out_loc[token] when STORE_KV."""
-    wait_for_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     i_mask = i < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + i, mask=i_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + i, mask=i_mask, other=0.0)
+    # positions are an input and cos/sin a weight (pdl.py): read before the wait; decode attention
+    # after this kernel may launch at once and prefetch its keys while this one runs
+    launch_next_then_wait(USE_PDL)
     if tl.program_id(1) == 0:
         _rotate_heads(
             q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, cos, sin, i, i_mask,
