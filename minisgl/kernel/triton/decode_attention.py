@@ -21,7 +21,7 @@ At a small batch each program reads its first block of keys before waiting for t
 it (see pdl.py): seq_lens, the page table and every key but the new token's were written before
 the forward began; only the new token's row, which that kernel stores, is read after the wait. At
 one request this is the attention's whole read. At large batches the held block cost more than it
-saved (batch 256 took twice as long), so only batches up to _PREFETCH_MAX_BATCH do it.
+saved (batch 256 took twice as long), so only batches up to PREFETCH_MAX_BATCH do it.
 """
 
 import functools
@@ -37,7 +37,7 @@ from .pdl import pdl_args, wait_for_previous
 _BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
 _PROGRAMS_PER_SM = 16
 _MAX_SPLITS = 32
-_PREFETCH_MAX_BATCH = 16
+PREFETCH_MAX_BATCH = 16
 
 
 @functools.cache
@@ -233,6 +233,6 @@ def decode_attention(
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(group),
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-        PREFETCH=bs <= _PREFETCH_MAX_BATCH, num_warps=4, num_stages=2, **pdl_args(q.device),
+        PREFETCH=bs <= PREFETCH_MAX_BATCH, num_warps=4, num_stages=2, **pdl_args(q.device),
     )  # fmt: skip
     return out

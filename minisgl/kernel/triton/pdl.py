@@ -15,7 +15,8 @@ PDL (torch's, cuBLAS's) wait for the whole previous kernel as usual.
 
 The next kernel may launch once every program has passed the wait (`wait_for_previous`), or, for a
 kernel whose successor reads much before its own wait, as soon as every program has started
-(`launch_next_then_wait`): RoPE lets decode attention prefetch its keys while RoPE runs.
+(`launch_next_then_wait`): RoPE of a small batch lets decode attention prefetch its keys while
+RoPE runs.
 
 MINISGL_PDL=0 turns it off (for ablation).
 """

@@ -3,7 +3,8 @@ import triton
 import triton.language as tl
 
 from ..torch_ops import KVStore
-from .pdl import launch_next_then_wait, pdl_args
+from .decode_attention import PREFETCH_MAX_BATCH
+from .pdl import launch_next_then_wait, pdl_args, wait_for_previous
 
 
 @triton.jit
@@ -48,7 +49,8 @@ def _rope_kernel(
     stride_k_cache_loc, stride_k_cache_head, stride_v_cache_loc, stride_v_cache_head,
     stride_cos_sin, num_q_heads, num_k_heads,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, LAUNCH_NEXT_EARLY: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (token, 0) rotates the query heads; (token, 1) the key heads, and writes K and V
     into the pool at out_loc[token] when STORE_KV."""
@@ -58,9 +60,12 @@ def _rope_kernel(
     i_mask = i < HALF
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + i, mask=i_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + i, mask=i_mask, other=0.0)
-    # positions are an input and cos/sin a weight (pdl.py): read before the wait; decode attention
-    # after this kernel may launch at once and prefetch its keys while this one runs
-    launch_next_then_wait(USE_PDL)
+    # positions are an input and cos/sin a weight (pdl.py): read before the wait. A small decode
+    # batch's attention, which prefetches its keys, may launch at once and do so while this runs
+    if LAUNCH_NEXT_EARLY:
+        launch_next_then_wait(USE_PDL)
+    else:
+        wait_for_previous(USE_PDL)
     if tl.program_id(1) == 0:
         _rotate_heads(
             q_ptr + token * stride_q_tok, stride_q_head, num_q_heads, cos, sin, i, i_mask,
@@ -114,5 +119,6 @@ def apply_rope_inplace(
         HALF=half, HAS_NORM=qk_norm is not None, STORE_KV=kv_store is not None,
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-        **pdl_args(q.device),
+        # above it, an early launch only held SMs: bench.py 1 % slower on an H200
+        LAUNCH_NEXT_EARLY=q.shape[0] <= PREFETCH_MAX_BATCH, **pdl_args(q.device),
     )  # fmt: skip
