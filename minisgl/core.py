@@ -204,18 +204,17 @@ def build_batch(
     # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
     # gathers and scatters take as is (a 2-D int32 index would cost two conversion kernels each)
     assert max(token_table.numel(), page_table.numel()) < 2**31
-    writes = {
-        name: (table, table_writes)
-        for name, table, table_writes in [
-            ("page", page_table, page_writes),
-            ("token", token_table, token_writes),
-        ]
-        if table_writes is not None and len(table_writes[0])
-    }
+    written: list[tuple[str, torch.Tensor]] = []  # (name, table) of the tables written
     write_columns: dict[str, np.ndarray] = {}
-    for name, (_, (entries, values)) in writes.items():
-        write_columns[f"{name}_write_entries"] = entries
-        write_columns[f"{name}_write_values"] = values
+    for name, table, table_writes in [
+        ("page", page_table, page_writes),
+        ("token", token_table, token_writes),
+    ]:
+        if table_writes is not None and len(table_writes[0]):
+            written.append((name, table))
+            write_columns[f"{name}_write_entries"], write_columns[f"{name}_write_values"] = (
+                table_writes
+            )
     t = pack_to_device(
         page_table.device,
         torch.int32,
@@ -229,7 +228,7 @@ def build_batch(
         **write_columns,
         **extra,
     )
-    for name, (table, _) in writes.items():
+    for name, table in written:
         table.view(-1).scatter_(0, t[f"{name}_write_entries"], t[f"{name}_write_values"])
     batch = Batch(
         reqs=reqs,
