@@ -148,24 +148,35 @@ class Batch:
     Host lists are snapshots taken when the step was scheduled (the requests move on afterwards):
     request i computes tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]), which are rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] of the step's token dimension.
+
+    A batch names its tokens by their entries in the device tables, not by value: the forward
+    reads the ids and KV locations itself (`load_inputs`), so a step can be launched before the
+    host has seen the tokens the step before it sampled.
     """
 
     reqs: list[Req]
     prefix_lens: list[int]
     extend_lens: list[int]
     sample_rows: list[int]  # rows whose sampled token is kept (a mid-prompt chunk samples nothing)
-    # per token, on the device
-    input_ids: torch.Tensor
+    # per token, on the device (int32); entries index the flattened tables
     positions: torch.Tensor
-    out_loc: torch.Tensor
+    token_entries: torch.Tensor  # where its id is in the token table
+    page_entries: torch.Tensor  # where its KV location is in the page table
     # per request, on the device (int32)
     slots: torch.Tensor  # page-table row
     seq_lens: torch.Tensor  # KV length after this step
     cu_seqlens_q: torch.Tensor  # [size + 1]
     last_indices: torch.Tensor  # row of each request's last new token
+    sample_entries: torch.Tensor  # token-table entry its sampled token goes to (sink: not kept)
     is_decode: bool
+    # (flat entries, values) written into the tables before they are read
+    page_writes: tuple[torch.Tensor, torch.Tensor] | None = None
+    token_writes: tuple[torch.Tensor, torch.Tensor] | None = None
     all_logits: bool = False  # logits for every token instead of each request's last
     attn_metadata: Any = None  # whatever else the attention backend needs, built once per batch
+    # per token, read from the tables by load_inputs at the start of the forward
+    input_ids: torch.Tensor | None = None
+    out_loc: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -173,7 +184,7 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+        return int(self.positions.shape[0])
 
 
 def build_batch(
@@ -185,13 +196,14 @@ def build_batch(
     sample_rows: list[int] | None = None,
     page_writes: TableWrites | None = None,
     token_writes: TableWrites | None = None,
-    **extra: Sequence[int] | np.ndarray,
-) -> tuple[Batch, dict[str, torch.Tensor]]:
+) -> Batch:
     """The batch computing tokens [prefix, prefix + extend) of each request (in its `slot` row),
-    built with one host-to-device transfer. Writes into the page table (pool locations, from
-    KVCacheManager.take_page_writes) and the token table (prompt ids, from TokenTable.take_writes)
-    ride along and land before the batch reads either table; so do the `extra` columns
-    (returned)."""
+    built with one host-to-device transfer, together with the writes into the page table (pool
+    locations, from KVCacheManager.take_page_writes) and the token table (prompt ids, from
+    TokenTable.take_writes) that must land before the batch reads either table.
+
+    A sampled token goes right after its request's computed ones; a request outside
+    `sample_rows` (default: all) writes its token into the token table's last row, a sink."""
     slots = [req.slot for req in reqs]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     cu_seqlens = list(itertools.accumulate(extend_lens, initial=0))
@@ -201,50 +213,63 @@ def build_batch(
     else:  # thousands of tokens: built in bulk, not with a Python step per token
         token_slots = repeat_each(slots, extend_lens)
         positions = ragged_arange(prefix_lens, extend_lens)
+    sample_slots = np.full(len(reqs), token_table.shape[0] - 1)
+    keep = list(range(len(reqs))) if sample_rows is None else sample_rows
+    sample_slots[keep] = np.array(slots)[keep]
     # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
     # gathers and scatters take as is (a 2-D int32 index would cost two conversion kernels each)
     assert max(token_table.numel(), page_table.numel()) < 2**31
-    written: list[tuple[str, torch.Tensor]] = []  # (name, table) of the tables written
-    write_columns: dict[str, np.ndarray] = {}
-    for name, table, table_writes in [
-        ("page", page_table, page_writes),
-        ("token", token_table, token_writes),
-    ]:
-        if table_writes is not None and len(table_writes[0]):
-            written.append((name, table))
-            write_columns[f"{name}_write_entries"], write_columns[f"{name}_write_values"] = (
-                table_writes
-            )
+    written = {
+        name: table_writes
+        for name, table_writes in [("page", page_writes), ("token", token_writes)]
+        if table_writes is not None and len(table_writes[0])
+    }
+    write_columns = {
+        f"{name}_write_{part}": column
+        for name, table_writes in written.items()
+        for part, column in zip(("entries", "values"), table_writes, strict=True)
+    }
     t = pack_to_device(
         page_table.device,
         torch.int32,
         positions=positions,
-        slots=slots,
-        seq_lens=seq_lens,
-        cu_seqlens_q=cu_seqlens,
-        last_indices=[end - 1 for end in cu_seqlens[1:]],
         token_entries=token_slots * token_table.shape[1] + positions,
         page_entries=token_slots * page_table.shape[1] + positions,
+        slots=slots,
+        seq_lens=seq_lens,
+        sample_entries=sample_slots * token_table.shape[1] + np.array(seq_lens),
+        cu_seqlens_q=cu_seqlens,
+        last_indices=[end - 1 for end in cu_seqlens[1:]],
         **write_columns,
-        **extra,
     )
-    for name, table in written:
-        table.view(-1).scatter_(0, t[f"{name}_write_entries"], t[f"{name}_write_values"])
-    batch = Batch(
+    writes = {name: (t[f"{name}_write_entries"], t[f"{name}_write_values"]) for name in written}
+    return Batch(
         reqs=reqs,
         prefix_lens=prefix_lens,
         extend_lens=extend_lens,
-        sample_rows=list(range(len(reqs))) if sample_rows is None else sample_rows,
-        input_ids=token_table.view(-1).index_select(0, t["token_entries"]),
+        sample_rows=keep,
         positions=t["positions"],
-        out_loc=page_table.view(-1).index_select(0, t["page_entries"]),
+        token_entries=t["token_entries"],
+        page_entries=t["page_entries"],
         slots=t["slots"],
         seq_lens=t["seq_lens"],
         cu_seqlens_q=t["cu_seqlens_q"],
         last_indices=t["last_indices"],
+        sample_entries=t["sample_entries"],
         is_decode=is_decode,
+        page_writes=writes.get("page"),
+        token_writes=writes.get("token"),
     )
-    return batch, {name: t[name] for name in extra}
+
+
+def load_inputs(batch: Batch, page_table: torch.Tensor, token_table: torch.Tensor) -> None:
+    """The first thing a forward does (inside the CUDA graph when one replays): apply the batch's
+    table writes, then read its input ids and KV locations from the tables."""
+    for table, writes in [(page_table, batch.page_writes), (token_table, batch.token_writes)]:
+        if writes is not None:
+            table.view(-1).scatter_(0, *writes)
+    batch.input_ids = token_table.view(-1).index_select(0, batch.token_entries)
+    batch.out_loc = page_table.view(-1).index_select(0, batch.page_entries)
 
 
 @dataclass

@@ -50,7 +50,6 @@ class LLM:
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_running_requests=max_running_requests,
                 chunk_size=chunk_size,
                 cache=cache,
                 overlap=overlap,

@@ -71,6 +71,7 @@ def assert_matches_reference(model_path, workload, reference, outputs) -> None:
         {"overlap": False},
         {"cuda_graph_max_bs": 16},
         {"cuda_graph_max_bs": 16, "overlap": False},
+        {"cuda_graph_max_bs": 16, "page_size": 16},
     ],
     ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default",
 )
@@ -225,6 +226,36 @@ def test_random_arrivals_aborts_and_preemption_keep_the_pool_consistent(
             assert tokens == expected[rid][: len(tokens)]
     kv = scheduler.kv
     assert kv.allocator.num_free + len(kv.prefix_cache.cached_pages()) == kv.num_pages
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_decode_steps_that_admit_a_request_write_its_tables_with_graphs_on(
+    model_path, page_size: int
+) -> None:
+    """A step of decodes only can still carry table writes: a one-token prompt admitted while
+    another request decodes writes its id into the token table, and a preempted request coming
+    back writes its cached pages into the page table. The graph runner must apply them."""
+    rng = random.Random(page_size)
+    prompts = [[rng.randrange(512) for _ in range(n)] for n in (90, 1, 1, 60)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1024, **PLAIN)
+    expected = [alone.generate([p], sp, use_tqdm=False)[0]["token_ids"] for p in prompts]
+    llm = LLM(
+        str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=160, page_size=page_size,
+        cuda_graph_max_bs=4,
+    )  # fmt: skip
+    scheduler, outputs = llm.scheduler, {rid: [] for rid in range(len(prompts))}
+    for rid, prompt in enumerate(prompts):
+        scheduler.add_request(rid, prompt, sp)
+        for _ in range(3):  # the earlier requests are decoding when the next one arrives
+            for out in scheduler.step():
+                outputs[out.rid].append(out.token_id)
+    while scheduler.has_work:
+        for out in scheduler.step():
+            outputs[out.rid].append(out.token_id)
+        scheduler.check_integrity()
+    assert scheduler.stats.num_preemptions > 0
+    assert list(outputs.values()) == expected
 
 
 def test_repeated_seeded_requests_sample_the_same_tokens_with_graphs_and_overlap_on_or_off(

@@ -11,6 +11,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.core import Req, build_batch
 from minisgl.engine import Engine, EngineConfig
 from minisgl.kvcache import KVCacheManager
+from minisgl.scheduler.token_table import TokenTable
 from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import DEVICE, hf_greedy, hf_model
@@ -47,11 +48,13 @@ def prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     kv = KVCacheManager(engine.num_pages, engine.page_size, engine.page_table.shape[1], "naive")
     kv.admit(0, [])
     assert kv.reserve(0, len(ids))
-    tokens = torch.tensor([ids], dtype=torch.int32, device=engine.device)
+    tokens = TokenTable(engine.token_table)
+    tokens.write(0, 0, ids)
     req = Req(rid=0, prompt_ids=ids, params=SamplingParams(), seed=0, slot=0)
-    batch, _ = build_batch(
-        [req], [0], [len(ids)], engine.page_table, tokens, page_writes=kv.take_page_writes()
-    )
+    batch = build_batch(
+        [req], [0], [len(ids)], engine.page_table, tokens.table, None,
+        kv.take_page_writes(), tokens.take_writes(),
+    )  # fmt: skip
     batch.all_logits = True
     return engine.forward_logits(batch).float().cpu()
 

@@ -30,7 +30,8 @@ def sample_many(probs: torch.Tensor, **params: float) -> torch.Tensor:
         num_logprobs=-1,
     )
     logits = probs.log().expand(rows, -1).clone()
-    tokens = Sampler(len(probs), torch.device("cpu")).sample(logits, args).tokens
+    greedy = logits.argmax(dim=-1).to(torch.int32)
+    tokens = Sampler(len(probs), torch.device("cpu")).sample(logits, greedy, args).tokens
     return torch.bincount(tokens.long(), minlength=len(probs)).float() / rows
 
 

@@ -9,7 +9,7 @@ import torch
 
 from minisgl import kernel
 from minisgl.attention import AttentionBackend, create_attention_backend
-from minisgl.core import Batch, Req, SamplingParams, build_batch
+from minisgl.core import Batch, Req, SamplingParams, build_batch, load_inputs
 from minisgl.kernel import KVStore, torch_ops
 from minisgl.kernel import triton as triton_ops
 from minisgl.kvcache import KVPool
@@ -74,7 +74,9 @@ class PagedKV:
         reqs = [Req(i, [0], SamplingParams(), seed=0, slot=s) for i, s in enumerate(slots)]
         prefix_lens, extend_lens = prefix_lens + [0] * padding, extend_lens + [1] * padding
         tokens = torch.zeros_like(self.page_table)
-        return build_batch(reqs, prefix_lens, extend_lens, self.page_table, tokens)[0]
+        batch = build_batch(reqs, prefix_lens, extend_lens, self.page_table, tokens)
+        load_inputs(batch, self.page_table, tokens)
+        return batch
 
     def backend(self, name: str) -> AttentionBackend:
         return create_attention_backend(name, self.pool, self.page_table)

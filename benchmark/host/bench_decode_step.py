@@ -38,7 +38,7 @@ def time_steps(batch_size: int, device: torch.device, steps: int, context: int) 
         start = time.perf_counter()
         assert kv.reserve_all([(req.slot, n + 1) for req, n in zip(reqs, lens, strict=True)])
         writes = kv.take_page_writes()
-        batch, _ = build_batch(reqs, lens, [1] * batch_size, page_table, token_table, None, writes)
+        batch = build_batch(reqs, lens, [1] * batch_size, page_table, token_table, None, writes)
         seconds.append(time.perf_counter() - start)
         assert batch.is_decode and batch.num_tokens == batch_size
         lens = [n + 1 for n in lens]

@@ -57,7 +57,7 @@ class Setup:
         reqs = [Req(i, [0], SamplingParams(), seed=0, slot=i) for i in range(self.bs)]
         prefix_lens = [n - extend_len for n in self.ctx_lens]
         tokens = torch.zeros_like(self.page_table)
-        return build_batch(reqs, prefix_lens, [extend_len] * self.bs, self.page_table, tokens)[0]
+        return build_batch(reqs, prefix_lens, [extend_len] * self.bs, self.page_table, tokens)
 
     def kernel_args(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         """The pool and per-request arguments both attention kernels take after q."""

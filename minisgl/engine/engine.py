@@ -1,8 +1,10 @@
 """Engine = model + KV pool + attention backend + sampler (+ CUDA graphs).
 
-It computes a batch and returns sampled tokens; it never changes a request. The entries of the
-page table it allocates are decided by the scheduler's KV cache manager (and written with each
-batch), except the dummy row set up here.
+It computes a batch and returns sampled tokens; it never changes a request. It allocates the two
+device tables a batch reads, the page table and the token table, but their entries are decided
+by the scheduler (its KV cache manager and token table) and written with each batch, except the
+page table's dummy row set up here. The one thing a step writes back is each sampled token, into
+the token-table entry the batch names: that is how the next step reads it without the host.
 """
 
 import os
@@ -12,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl.attention import create_attention_backend
-from minisgl.core import Batch, get_global_ctx
+from minisgl.core import Batch, get_global_ctx, load_inputs
 from minisgl.distributed import set_tp_info
 from minisgl.kvcache import KVPool
 from minisgl.models import ModelConfig, load_model
@@ -82,6 +84,12 @@ class Engine:
             (config.max_running_requests + 1, width), dtype=torch.int32, device=self.device
         )
         self.page_table[self.dummy_slot] = self.pool.dummy_loc
+        # a row of token ids per slot; the last row is a sink for tokens that are not kept
+        self.token_table = torch.zeros(
+            (config.max_running_requests + 1, self.max_seq_len),
+            dtype=torch.int32,
+            device=self.device,
+        )
 
         backend = config.attention_backend
         if backend == "auto":
@@ -98,10 +106,12 @@ class Engine:
         self.graph_runner = None
         if max_bs > 0:
             self.graph_runner = GraphRunner(
-                self.model,
+                self._forward,
                 self.attn_backend,
                 min(max_bs, config.max_running_requests),
                 self.dummy_slot,
+                self.page_table.shape[1],
+                self.token_table.shape[1],
                 self.pool.dummy_loc,
                 self.device,
             )
@@ -144,18 +154,36 @@ class Engine:
             raise RuntimeError(f"no memory left for the KV cache ({budget} bytes)")
         return tokens // c.page_size
 
+    def _model_logits(self, batch: Batch) -> torch.Tensor:
+        load_inputs(batch, self.page_table, self.token_table)
+        return self.model.forward()
+
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens, the latter already written into the token table: the part
+        of a step that a CUDA graph captures. Runs inside `forward_batch`."""
+        logits = self._model_logits(batch)
+        greedy = logits.argmax(dim=-1).to(torch.int32)
+        self.token_table.view(-1).scatter_(0, batch.sample_entries, greedy)
+        return logits, greedy
+
     def forward_logits(self, batch: Batch) -> torch.Tensor:
         """Compute one batch; logits for each request's last token (every token if all_logits)."""
         self.attn_backend.prepare(batch)
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.run(batch)
         with get_global_ctx().forward_batch(batch, self.attn_backend):
-            return self.model.forward()
+            return self._model_logits(batch)
 
     def forward(self, batch: Batch, args: SamplingArgs) -> ForwardOutput:
         """Compute one batch and sample one token per request."""
         assert not batch.all_logits
-        out = self.sampler.sample(self.forward_logits(batch), args)
+        self.attn_backend.prepare(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            logits, greedy = self.graph_runner.run(batch)
+        else:
+            with get_global_ctx().forward_batch(batch, self.attn_backend):
+                logits, greedy = self._forward(batch)
+        out = self.sampler.sample(logits, greedy, args)
+        if not args.all_greedy:  # the sampled tokens replace the greedy ones already written
+            self.token_table.view(-1).scatter_(0, batch.sample_entries, out.tokens)
         host = SampleOutput(*(None if t is None else _to_host(t) for t in vars(out).values()))
         done = None
         if self.device.type == "cuda":

@@ -1,21 +1,28 @@
 """CUDA graphs for decode batches.
 
-Each captured size replays the whole model forward with no launch overhead. A batch is padded up to
-the next captured size with padding rows that point at the dummy slot and the dummy KV page, so
-padding never touches a real request's state. The same static-buffer path runs on the CPU without
-capture, so CI checks the padding logic against the plain forward.
+Each captured size replays the whole step with no launch overhead: the table writes and reads, the
+model, and the greedy tokens written into the token table. A batch is padded up to the next
+captured size with padding rows that point at the dummy slot and the dummy KV page, so padding
+never touches a real request's state. The same static-buffer path runs on the CPU without capture,
+so CI checks the padding logic against the plain forward.
 """
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
 from minisgl.attention import AttentionBackend
 from minisgl.core import Batch, get_global_ctx
-from minisgl.models import CausalLM
 from minisgl.utils import init_logger
 
 logger = init_logger(__name__)
+
+# a batch's (logits, greedy tokens); runs inside forward_batch
+StepFn = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
+
+# the Batch tensors with one entry per request in a decode, copied into the static rows
+_ROW_FIELDS = ("token_entries", "positions", "page_entries", "slots", "seq_lens", "sample_entries")
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -27,37 +34,45 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 class GraphRunner:
     def __init__(
         self,
-        model: CausalLM,
+        step: StepFn,
         attn_backend: AttentionBackend,
         max_bs: int,
         dummy_slot: int,
+        page_table_width: int,
+        token_table_width: int,
         dummy_loc: int,
         device: torch.device,
     ) -> None:
-        self.model = model
+        self.step = step
         self.attn_backend = attn_backend
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = max_bs
-        # one buffer per batch field; padding rows: any token at position 0 of the dummy slot,
-        # writing its KV into the dummy page
-        self._fields = ("input_ids", "positions", "out_loc", "slots", "seq_lens")
-        self._static = torch.zeros((len(self._fields), max_bs), dtype=torch.int32, device=device)
+        # the row fields, then a page-table write per row (a decode adds at most one page per
+        # request). Padding rows: any token at position 0 of the dummy slot, reading and
+        # rewriting the dummy page's entry, its sampled token going to the token table's sink
+        # row (the dummy slot's row there)
+        dummy_entry = dummy_slot * page_table_width
         self._padding = torch.tensor(
-            [0, 0, dummy_loc, dummy_slot, 1], dtype=torch.int32, device=device
+            [0, 0, dummy_entry, dummy_slot, 1, dummy_slot * token_table_width]
+            + [dummy_entry, dummy_loc],
+            dtype=torch.int32,
+            device=device,
         )
-        self._static[:] = self._padding[:, None]
+        self._static = self._padding[:, None].repeat(1, max_bs)
         rows = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self._batches = {bs: self._static_batch(bs, rows) for bs in self.sizes}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         if device.type == "cuda":
             self._capture_all(device)
 
     def _static_batch(self, bs: int, rows: torch.Tensor) -> Batch:
-        views = dict(zip(self._fields, self._static[:, :bs], strict=True))
+        *fields, write_entries, write_values = self._static[:, :bs]
         # no Req objects: layers only read the tensors; one new token per row in a decode
         return Batch(
             reqs=[], prefix_lens=[], extend_lens=[], sample_rows=[], is_decode=True,
-            cu_seqlens_q=rows[: bs + 1], last_indices=rows[:bs], **views,
+            cu_seqlens_q=rows[: bs + 1], last_indices=rows[:bs],
+            page_writes=(write_entries, write_values),
+            **dict(zip(_ROW_FIELDS, fields, strict=True)),
         )  # fmt: skip
 
     def _capture_all(self, device: torch.device) -> None:
@@ -71,33 +86,53 @@ class GraphRunner:
             ):  # largest first, so smaller graphs reuse its memory pool
                 batch = self._batches[bs]
                 with ctx.forward_batch(batch, self.attn_backend):
-                    self.model.forward()  # warm-up: lazy initialisation stays out of the graph
+                    self.step(batch)  # warm-up: lazy initialisation stays out of the graph
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        logits = self.model.forward()
+                        logits, greedy = self.step(batch)
                 pool = graph.pool()
-                self._graphs[bs] = (graph, logits)
+                self._graphs[bs] = (graph, logits, greedy)
         torch.cuda.current_stream(device).wait_stream(stream)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def can_run(self, batch: Batch) -> bool:
-        return batch.is_decode and batch.size <= self.max_bs
+        """A decode batch whose only table writes are at most one page entry per request (a
+        request admitted with a one-token prompt, or readmitted, writes more: it runs eagerly)."""
+        num_page_writes = 0 if batch.page_writes is None else len(batch.page_writes[0])
+        return (
+            batch.is_decode
+            and batch.size <= self.max_bs
+            and batch.token_writes is None
+            and num_page_writes <= batch.size
+        )
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's logits and greedy tokens (already written into the token table)."""
         bs = batch.size
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        torch.stack([getattr(batch, f) for f in self._fields], out=self._static[:, :bs])
+        rows = [getattr(batch, f) for f in _ROW_FIELDS]
+        writes = [] if batch.page_writes is None else list(batch.page_writes)
+        num_writes = len(writes[0]) if writes else 0
+        if num_writes == bs:  # page size 1: every request writes one entry, in the same copy
+            rows += writes
+        torch.stack(rows, out=self._static[: len(rows), :bs])
+        if num_writes < bs:  # the rows without a write of their own rewrite the dummy entry
+            first_write_row = len(_ROW_FIELDS)
+            if num_writes > 0:
+                torch.stack(writes, out=self._static[first_write_row:, :num_writes])
+            self._static[first_write_row:, num_writes:bs] = self._padding[first_write_row:, None]
         if padded > bs:
             self._static[:, bs:padded] = self._padding[:, None]
-        return self.replay(padded)[:bs]
+        logits, greedy = self.replay(padded)
+        return logits[:bs], greedy[:bs]
 
-    def replay(self, bs: int) -> torch.Tensor:
-        """Run the forward of captured size bs on whatever its static inputs hold; the logits.
-        Replayed alone in a loop, it times the GPU's part of a decode step."""
+    def replay(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step of captured size bs on whatever its static inputs hold. Replayed alone in
+        a loop, it times the GPU's part of a decode step."""
         if bs in self._graphs:
-            graph, logits = self._graphs[bs]
+            graph, logits, greedy = self._graphs[bs]
             graph.replay()
-            return logits
+            return logits, greedy
         # the CPU twin: same static buffers, no capture
         with get_global_ctx().forward_batch(self._batches[bs], self.attn_backend):
-            return self.model.forward()
+            return self.step(self._batches[bs])

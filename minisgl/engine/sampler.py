@@ -103,13 +103,16 @@ class Sampler:
             **ints,
         )
 
-    def sample(self, logits: torch.Tensor, args: SamplingArgs) -> SampleOutput:
+    def sample(
+        self, logits: torch.Tensor, greedy: torch.Tensor, args: SamplingArgs
+    ) -> SampleOutput:
+        """greedy: each row's argmax (int32), which the engine computes with the logits."""
         if args.all_greedy:
-            tokens = logits.argmax(dim=-1).to(torch.int32)
+            tokens = greedy
         else:
             tokens = self._sample_stochastic(logits, args).to(torch.int32)
             if args.any_greedy:
-                tokens = torch.where(args.greedy, logits.argmax(dim=-1).to(torch.int32), tokens)
+                tokens = torch.where(args.greedy, greedy, tokens)
         out = SampleOutput(tokens)
         if args.num_logprobs >= 0:
             logprobs = torch.log_softmax(logits.float(), dim=-1)

@@ -3,7 +3,6 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = 256
     chunk_size: int = 8192  # prefill tokens per step; a longer prompt is prefilled in chunks
     cache: str = "radix"  # prefix cache: radix (reuse shared prefixes) or naive (no reuse)
     overlap: bool = True  # build step k+1 while step k computes

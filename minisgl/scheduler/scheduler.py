@@ -4,7 +4,8 @@ One step (`step()`):
     schedule  -> pick decodes, prefill chunks and new requests under the token budget,
                  reserve their KV pages (preempting the newest request when pages run out),
                  advance their lengths, and build the batch's device inputs
-    launch    -> engine.forward(batch); scatter the sampled ids into the token table on the device
+    launch    -> engine.forward(batch), which writes the sampled ids into the token table on the
+                 device, where the next step reads them
     process   -> read the sampled ids on the host, check stop rules, finish requests
 
 With overlap on, step k+1 is scheduled and launched before step k's results are processed, so
@@ -68,13 +69,12 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.engine = engine
-        self.device = engine.device
         self.max_seq_len = engine.max_seq_len
         self.vocab_size = engine.model_config.vocab_size
         self.kv = KVCacheManager(
             engine.num_pages, engine.page_size, engine.page_table.shape[1], config.cache
         )
-        self.tokens = TokenTable(config.max_running_requests, self.max_seq_len, self.device)
+        self.tokens = TokenTable(engine.token_table)
         self.stop_checker = StopChecker(eos_ids, self.max_seq_len, tokenizer)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted requests, oldest first
@@ -117,23 +117,16 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()
     def step(self) -> list[ReqOutput]:
-        scheduled = self._schedule()
+        batch = self._schedule()
         launched = None
-        if scheduled is not None:
-            batch, write_entries = scheduled
-            launched = _InFlight(batch, self._launch(batch, write_entries))
+        if batch is not None:
+            self.stats.steps += 1
+            out = self.engine.forward(batch, self.engine.sampler.prepare(batch))
+            launched = _InFlight(batch, out)
         if not self.overlap:
             return self._process(launched) if launched else []
         finished_step, self._in_flight = self._in_flight, launched
         return self._process(finished_step) if finished_step else []
-
-    def _launch(self, batch: Batch, write_entries: torch.Tensor) -> ForwardOutput:
-        """Run the batch; its sampled ids go straight into the token table on the device (rows
-        that sample nothing write into the sink row), ready for the next step's inputs."""
-        self.stats.steps += 1
-        out = self.engine.forward(batch, self.engine.sampler.prepare(batch))
-        self.tokens.scatter(write_entries, out.device.tokens)
-        return out
 
     def _process(self, step: _InFlight) -> list[ReqOutput]:
         step.output.wait()
@@ -182,7 +175,7 @@ class Scheduler:
     def _wants_token(self, req: Req) -> bool:
         return req.num_sampled < req.params.max_tokens and req.device_len < self.max_seq_len
 
-    def _schedule(self) -> tuple[Batch, torch.Tensor] | None:
+    def _schedule(self) -> Batch | None:
         picked: list[tuple[Req, int]] = []
         preempted: set[Req] = set()
         # 1. decodes first, so they never starve behind prefills
@@ -282,29 +275,22 @@ class Scheduler:
         if req.slot >= 0:
             self.tokens.free_slot(req.slot)
 
-    def _build_batch(self, picked: list[tuple[Req, int]]) -> tuple[Batch, torch.Tensor]:
-        """The batch, and the token-table entry each request's sampled token goes to."""
+    def _build_batch(self, picked: list[tuple[Req, int]]) -> Batch:
         reqs = [req for req, _ in picked]
         extend_lens = [extend for _, extend in picked]
         prefix_lens = [req.cached_len for req in reqs]
-        sample_rows, write_entries = [], []
+        sample_rows = []
         for i, (req, extend) in enumerate(picked):
             req.cached_len += extend
-            samples = req.cached_len == req.device_len  # the whole known sequence is computed
-            # the sampled token's place: right after the computed ones, or in the sink row
-            write_slot = req.slot if samples else self.tokens.sink_slot
-            write_entries.append(self.tokens.entry(write_slot, req.cached_len))
-            if samples:
+            if req.cached_len == req.device_len:  # the whole known sequence is computed: sample
                 sample_rows.append(i)
                 if extend > 1:  # a prompt just finished: share its pages with later requests
                     self.kv.cache_prefix(req.slot, req.known_ids[: req.cached_len])
                 req.device_len += 1
-        batch, extra = build_batch(
+        return build_batch(
             reqs, prefix_lens, extend_lens, self.engine.page_table, self.tokens.table,
             sample_rows, self.kv.take_page_writes(), self.tokens.take_writes(),
-            write_entries=write_entries,
         )  # fmt: skip
-        return batch, extra["write_entries"]
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -7,18 +7,17 @@ from minisgl.utils import ragged_arange
 
 
 class TokenTable:
-    """Every running request's token ids on the device, one row per slot: [slots + 1, max_seq_len].
+    """Decides the entries of the engine's token table: every running request's token ids on the
+    device, one row per slot, [slots + 1, max_seq_len].
 
-    A step's input ids are gathered from here by (slot, position), and sampled ids are scattered
-    back on the device, so the next step can be launched before the host has seen them. The last
+    A step's input ids are read from here by (slot, position), and the engine writes each sampled
+    id back on the device, so the next step can be launched before the host has seen it. The last
     row is a sink for the tokens of requests that sample nothing this step (a mid-prompt chunk).
     """
 
-    def __init__(self, num_slots: int, max_seq_len: int, device: torch.device) -> None:
-        self.device = device
-        self.table = torch.zeros((num_slots + 1, max_seq_len), dtype=torch.int32, device=device)
-        self.sink_slot = num_slots
-        self._free_slots = list(range(num_slots - 1, -1, -1))
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self._free_slots = list(range(table.shape[0] - 2, -1, -1))
         self._pending: list[tuple[int, int, list[int]]] = []  # (slot, start, ids) to write
 
     @property
@@ -44,11 +43,3 @@ class TokenTable:
         entries = ragged_arange(starts, [len(ids) for _, _, ids in pending])
         token_ids = itertools.chain.from_iterable(ids for _, _, ids in pending)
         return entries, np.fromiter(token_ids, np.int64, count=len(entries))
-
-    def entry(self, slot: int, position: int) -> int:
-        """The index of (slot, position) in the flattened table."""
-        return slot * self.table.shape[1] + position
-
-    def scatter(self, entries: torch.Tensor, ids: torch.Tensor) -> None:
-        """Device ids into the table at flat int32 entries (no index conversion kernels)."""
-        self.table.view(-1).scatter_(0, entries, ids)

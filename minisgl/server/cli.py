@@ -25,10 +25,7 @@ _CONFIG_OPTIONS: dict[str, list[tuple[type, str]]] = {
     "dtype": [(EngineConfig, "dtype")],
     "tp": [(EngineConfig, "tp_size")],
     "page_size": [(EngineConfig, "page_size")],
-    "max_running_requests": [
-        (EngineConfig, "max_running_requests"),
-        (SchedulerConfig, "max_running_requests"),
-    ],
+    "max_running_requests": [(EngineConfig, "max_running_requests")],
     "max_kv_tokens": [(EngineConfig, "max_kv_tokens")],
     "chunk_size": [(SchedulerConfig, "chunk_size")],
     "cache": [(SchedulerConfig, "cache")],
