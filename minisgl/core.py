@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from minisgl.kernel import DeviceWrites, read_tables
 from minisgl.utils import pack_to_device, ragged_arange, repeat_each
 
 if TYPE_CHECKING:
@@ -170,8 +171,8 @@ class Batch:
     sample_entries: torch.Tensor  # token-table entry its sampled token goes to (sink: not kept)
     is_decode: bool
     # (flat entries, values) written into the tables before they are read
-    page_writes: tuple[torch.Tensor, torch.Tensor] | None = None
-    token_writes: tuple[torch.Tensor, torch.Tensor] | None = None
+    page_writes: DeviceWrites | None = None
+    token_writes: DeviceWrites | None = None
     all_logits: bool = False  # logits for every token instead of each request's last
     attn_metadata: Any = None  # whatever else the attention backend needs, built once per batch
     # per token, read from the tables by load_inputs at the start of the forward
@@ -265,11 +266,10 @@ def build_batch(
 def load_inputs(batch: Batch, page_table: torch.Tensor, token_table: torch.Tensor) -> None:
     """The first thing a forward does (inside the CUDA graph when one replays): apply the batch's
     table writes, then read its input ids and KV locations from the tables."""
-    for table, writes in [(page_table, batch.page_writes), (token_table, batch.token_writes)]:
-        if writes is not None:
-            table.view(-1).scatter_(0, *writes)
-    batch.input_ids = token_table.view(-1).index_select(0, batch.token_entries)
-    batch.out_loc = page_table.view(-1).index_select(0, batch.page_entries)
+    batch.input_ids, batch.out_loc = read_tables(
+        page_table, token_table, batch.page_writes, batch.token_writes,
+        batch.token_entries, batch.page_entries,
+    )  # fmt: skip
 
 
 @dataclass

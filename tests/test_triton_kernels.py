@@ -292,6 +292,43 @@ def test_sampling_kernel_picks_the_reference_tokens(dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_sample_takes_the_first_maximum_and_writes_the_table(dtype):
+    torch.manual_seed(0)
+    rows, vocab = 5, 9000  # three chunks, the last one partial
+    logits = randn(rows, vocab, dtype=dtype)
+    # ties across chunks and inside one: the first index wins, as in torch.argmax
+    logits[0, [10, 5000]] = logits[1, [4100, 4200]] = 50.0
+    logits[2, vocab - 1] = 60.0
+    entries = torch.tensor([3, 17, 8, 40, 0], dtype=torch.int32, device=DEVICE)
+    tables = [torch.full((6, 8), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    want = torch_ops.greedy_sample(logits, tables[0], entries)
+    got = triton_ops.greedy_sample(logits, tables[1], entries)
+    assert want[:3].tolist() == [10, 4100, vocab - 1]
+    assert torch.equal(got, want) and torch.equal(tables[1], tables[0])
+
+
+@pytest.mark.parametrize("with_writes", [False, True])
+def test_read_tables_applies_the_writes_before_reading(with_writes):
+    torch.manual_seed(0)
+    page_table, token_table = (
+        torch.randint(0, 1000, (9, 40), dtype=torch.int32, device=DEVICE) for _ in range(2)
+    )
+    ints = lambda *values: torch.tensor(values, dtype=torch.int32, device=DEVICE)
+    token_entries, page_entries = ints(5, 41, 300, 359), ints(7, 41, 80, 359)
+    writes = (None, None)
+    if with_writes:  # entries the reads then take (41, 359), and some they do not
+        writes = ((ints(41, 2, 359), ints(-1, -2, -3)), (ints(300, 41, 6), ints(-4, -5, -6)))
+    want = torch_ops.read_tables(
+        page_table.clone(), token_table.clone(), *writes, token_entries, page_entries
+    )
+    got = triton_ops.read_tables(page_table, token_table, *writes, token_entries, page_entries)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    if with_writes:
+        assert got[0].tolist()[1:3] == [-5, -4] and got[1].tolist()[1::2] == [-1, -3]
+        assert page_table.view(-1)[2] == -2 and token_table.view(-1)[6] == -6
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_matches_linear_for_small_batches(rows, dtype):

@@ -7,6 +7,7 @@ page table's dummy row set up here. The one thing a step writes back is each sam
 the token-table entry the batch names: that is how the next step reads it without the host.
 """
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -16,8 +17,9 @@ import torch.distributed as dist
 from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, get_global_ctx, load_inputs
 from minisgl.distributed import set_tp_info
+from minisgl.kernel import greedy_sample
 from minisgl.kvcache import KVPool
-from minisgl.models import ModelConfig, load_model
+from minisgl.models import CausalLM, ModelConfig, load_model
 from minisgl.utils import cached_load_hf_config, init_logger, resolve_device, resolve_dtype
 
 from .config import EngineConfig
@@ -96,6 +98,8 @@ class Engine:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attn_backend = create_attention_backend(backend, self.pool, self.page_table)
         self.sampler = Sampler(mc.vocab_size, self.device)
+        # not a bound method: the graph runner holds it, and must not keep the engine alive
+        self._step = functools.partial(_forward_step, self.model, self.page_table, self.token_table)
 
         max_bs = config.cuda_graph_max_bs
         if max_bs is None:
@@ -106,7 +110,7 @@ class Engine:
         self.graph_runner = None
         if max_bs > 0:
             self.graph_runner = GraphRunner(
-                self._forward,
+                self._step,
                 self.attn_backend,
                 min(max_bs, config.max_running_requests),
                 self.dummy_slot,
@@ -154,23 +158,12 @@ class Engine:
             raise RuntimeError(f"no memory left for the KV cache ({budget} bytes)")
         return tokens // c.page_size
 
-    def _model_logits(self, batch: Batch) -> torch.Tensor:
-        load_inputs(batch, self.page_table, self.token_table)
-        return self.model.forward()
-
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and greedy tokens, the latter already written into the token table: the part
-        of a step that a CUDA graph captures. Runs inside `forward_batch`."""
-        logits = self._model_logits(batch)
-        greedy = logits.argmax(dim=-1).to(torch.int32)
-        self.token_table.view(-1).scatter_(0, batch.sample_entries, greedy)
-        return logits, greedy
-
     def forward_logits(self, batch: Batch) -> torch.Tensor:
         """Compute one batch; logits for each request's last token (every token if all_logits)."""
         self.attn_backend.prepare(batch)
         with get_global_ctx().forward_batch(batch, self.attn_backend):
-            return self._model_logits(batch)
+            load_inputs(batch, self.page_table, self.token_table)
+            return self.model.forward()
 
     def forward(self, batch: Batch, args: SamplingArgs) -> ForwardOutput:
         """Compute one batch and sample one token per request."""
@@ -180,7 +173,7 @@ class Engine:
             logits, greedy = self.graph_runner.run(batch)
         else:
             with get_global_ctx().forward_batch(batch, self.attn_backend):
-                logits, greedy = self._forward(batch)
+                logits, greedy = self._step(batch)
         out = self.sampler.sample(logits, greedy, args)
         if not args.all_greedy:  # the sampled tokens replace the greedy ones already written
             self.token_table.view(-1).scatter_(0, batch.sample_entries, out.tokens)
@@ -190,6 +183,16 @@ class Engine:
             done = torch.cuda.Event()
             done.record()
         return ForwardOutput(out, host, done)
+
+
+def _forward_step(
+    model: CausalLM, page_table: torch.Tensor, token_table: torch.Tensor, batch: Batch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and greedy tokens, the latter already written into the token table: the part of a
+    step that a CUDA graph captures. Runs inside `forward_batch`."""
+    load_inputs(batch, page_table, token_table)
+    logits = model.forward()
+    return logits, greedy_sample(logits, token_table, batch.sample_entries)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 
 from . import torch_ops
-from .torch_ops import KVStore, indexing
+from .torch_ops import DeviceWrites, KVStore, indexing
 
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -110,6 +110,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _ops_for(x).silu_and_mul(x)
 
 
+def greedy_sample(
+    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor
+) -> torch.Tensor:
+    """Each row's most likely token as [bs] int32, also written into the flattened token table at
+    entries."""
+    return _ops_for(logits).greedy_sample(logits, token_table, entries)
+
+
+def read_tables(
+    page_table: torch.Tensor,
+    token_table: torch.Tensor,
+    page_writes: DeviceWrites | None,
+    token_writes: DeviceWrites | None,
+    token_entries: torch.Tensor,
+    page_entries: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply the writes ((flat entries, values)) to the tables, then read the token ids at
+    token_entries and the KV locations at page_entries. Integer copies, exact either way: the
+    Triton kernel serves on any CUDA device."""
+    ops = _fast_ops() if page_table.is_cuda else torch_ops
+    return ops.read_tables(
+        page_table, token_table, page_writes, token_writes, token_entries, page_entries
+    )
+
+
 def sample_temperature(
     logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
 ) -> torch.Tensor:
@@ -118,11 +143,14 @@ def sample_temperature(
 
 
 __all__ = [
+    "DeviceWrites",
     "KVStore",
     "apply_rope_inplace",
     "fused_add_rmsnorm",
+    "greedy_sample",
     "indexing",
     "linear",
+    "read_tables",
     "rmsnorm",
     "rmsnorm_linear",
     "sample_temperature",

@@ -128,3 +128,35 @@ def sample_temperature(
     given uniform numbers. Returns [bs] int32."""
     probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
     return inverse_cdf(probs, uniforms).to(torch.int32)
+
+
+def greedy_sample(
+    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor
+) -> torch.Tensor:
+    """Each row's most likely token (the first on a tie) as [bs] int32, also written into the
+    flattened token table at entries [bs]."""
+    tokens = logits.argmax(dim=-1).to(torch.int32)
+    token_table.view(-1).scatter_(0, entries, tokens)
+    return tokens
+
+
+DeviceWrites = tuple[torch.Tensor, torch.Tensor]  # (flat entries, values), int32
+
+
+def read_tables(
+    page_table: torch.Tensor,
+    token_table: torch.Tensor,
+    page_writes: DeviceWrites | None,
+    token_writes: DeviceWrites | None,
+    token_entries: torch.Tensor,
+    page_entries: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply the writes to the (flattened) tables, then read the token ids at token_entries and
+    the KV locations at page_entries."""
+    for table, writes in [(page_table, page_writes), (token_table, token_writes)]:
+        if writes is not None:
+            table.view(-1).scatter_(0, *writes)
+    return (
+        token_table.view(-1).index_select(0, token_entries),
+        page_table.view(-1).index_select(0, page_entries),
+    )

@@ -9,7 +9,7 @@ from .linear import (
     LinearRowParallel,
     local_kv_heads,
 )
-from .norm import RMSNorm, RMSNormFused
+from .norm import RMSNorm
 from .rotary import RotaryEmbedding, get_rope, set_rope_device
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "OPList",
     "ParallelLMHead",
     "RMSNorm",
-    "RMSNormFused",
     "RotaryEmbedding",
     "StateLessOP",
     "VocabParallelEmbedding",

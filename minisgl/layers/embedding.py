@@ -2,10 +2,11 @@ import torch
 
 from minisgl.core import get_global_ctx
 from minisgl.distributed import DistributedCommunicator, get_tp_info
-from minisgl.kernel import indexing, linear
+from minisgl.kernel import indexing, rmsnorm_linear
 from minisgl.utils import div_ceil
 
 from .base import BaseOP
+from .norm import RMSNorm
 
 
 class VocabParallelEmbedding(BaseOP):
@@ -45,13 +46,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_embedding is not None:
             del self.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> torch.Tensor:
+        """Logits of norm(x + residual): the model's final norm runs here, in the matmul's kernel
+        for a tiny decode batch on a GPU."""
         batch = get_global_ctx().batch
         assert batch is not None
         if not batch.is_decode and not batch.all_logits:
-            x = x[batch.last_indices]
+            x, residual = x[batch.last_indices], residual[batch.last_indices]
         weight = self._tied_embedding.weight if self._tied_embedding is not None else self.weight
-        logits = linear(x, weight)
+        logits, _ = rmsnorm_linear(x, residual, norm.weight, norm.eps, weight)
         if self._tp_size == 1:
             return logits
         # all_gather stacks ranks along dim 0: [tp * rows, V/tp] -> [rows, tp * V/tp]

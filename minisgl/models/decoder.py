@@ -13,7 +13,6 @@ from minisgl.layers import (
     OPList,
     ParallelLMHead,
     RMSNorm,
-    RMSNormFused,
     VocabParallelEmbedding,
     get_rope,
     local_kv_heads,
@@ -83,14 +82,17 @@ class DecoderModel(BaseOP):
     def __init__(self, config: ModelConfig) -> None:
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = OPList([DecoderLayer(config, i) for i in range(config.num_layers)])
-        self.norm = RMSNormFused(config.hidden_size, config.rms_norm_eps)
+        # weights only: the final norm runs inside the LM head
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output and the residual stream, before the final norm."""
         x = self.embed_tokens.forward(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer.forward(x, residual)
-        return self.norm.forward(x, residual)[0]
+        assert residual is not None
+        return x, residual
 
 
 class CausalLM(BaseOP):
@@ -104,4 +106,5 @@ class CausalLM(BaseOP):
     def forward(self) -> torch.Tensor:
         batch = get_global_ctx().batch
         assert batch is not None
-        return self.lm_head.forward(self.model.forward(batch.input_ids))
+        x, residual = self.model.forward(batch.input_ids)
+        return self.lm_head.forward(x, residual, self.model.norm)

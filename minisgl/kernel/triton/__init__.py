@@ -8,7 +8,8 @@ from .extend_attention import extend_attention, extend_blocks
 from .gemv import Prologue, linear, use_gemv
 from .norm import fused_add_rmsnorm, rmsnorm
 from .rope import apply_rope_inplace
-from .sampling import sample_temperature
+from .sampling import greedy_sample, sample_temperature
+from .tables import read_tables
 
 __all__ = [
     "Prologue",
@@ -18,8 +19,10 @@ __all__ = [
     "extend_attention",
     "extend_blocks",
     "fused_add_rmsnorm",
+    "greedy_sample",
     "linear",
     "num_sms",
+    "read_tables",
     "rmsnorm",
     "sample_temperature",
     "silu_and_mul",
