@@ -302,10 +302,13 @@ def test_greedy_sample_takes_the_first_maximum_and_writes_the_table(dtype):
     logits[2, vocab - 1] = 60.0
     entries = torch.tensor([3, 17, 8, 40, 0], dtype=torch.int32, device=DEVICE)
     tables = [torch.full((6, 8), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
-    want = torch_ops.greedy_sample(logits, tables[0], entries)
-    got = triton_ops.greedy_sample(logits, tables[1], entries)
+    counters = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    want = torch_ops.greedy_sample(logits, tables[0], entries, counters)
+    for _ in range(2):  # the counters are left zero for the next call
+        got = triton_ops.greedy_sample(logits, tables[1], entries, counters)
+        assert torch.equal(got, want) and torch.equal(tables[1], tables[0])
+        assert not counters.any()
     assert want[:3].tolist() == [10, 4100, vocab - 1]
-    assert torch.equal(got, want) and torch.equal(tables[1], tables[0])
 
 
 @pytest.mark.parametrize("with_writes", [False, True])

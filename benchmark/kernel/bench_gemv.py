@@ -35,7 +35,7 @@ SHAPES = {  # name: (N, K, copies)
     "down_proj": (1024, 3072, NUM_LAYERS),
     "lm_head": (151936, 1024, 1),
 }
-FUSED = {"qkv_proj": "rmsnorm", "gate_up_proj": "rmsnorm + silu_and_mul"}
+FUSED = {"qkv_proj": "rmsnorm", "gate_up_proj": "rmsnorm + silu_and_mul", "lm_head": "rmsnorm"}
 SWEEP = [
     GemvConfig(block_n, block_k, num_warps)
     for block_n, block_k, num_warps in itertools.product(

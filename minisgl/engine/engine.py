@@ -98,8 +98,13 @@ class Engine:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attn_backend = create_attention_backend(backend, self.pool, self.page_table)
         self.sampler = Sampler(mc.vocab_size, self.device)
+        greedy_counters = torch.zeros(
+            config.max_running_requests, dtype=torch.int32, device=self.device
+        )
         # not a bound method: the graph runner holds it, and must not keep the engine alive
-        self._step = functools.partial(_forward_step, self.model, self.page_table, self.token_table)
+        self._step = functools.partial(
+            _forward_step, self.model, self.page_table, self.token_table, greedy_counters
+        )
 
         max_bs = config.cuda_graph_max_bs
         if max_bs is None:
@@ -186,13 +191,17 @@ class Engine:
 
 
 def _forward_step(
-    model: CausalLM, page_table: torch.Tensor, token_table: torch.Tensor, batch: Batch
+    model: CausalLM,
+    page_table: torch.Tensor,
+    token_table: torch.Tensor,
+    greedy_counters: torch.Tensor,
+    batch: Batch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and greedy tokens, the latter already written into the token table: the part of a
     step that a CUDA graph captures. Runs inside `forward_batch`."""
     load_inputs(batch, page_table, token_table)
     logits = model.forward()
-    return logits, greedy_sample(logits, token_table, batch.sample_entries)
+    return logits, greedy_sample(logits, token_table, batch.sample_entries, greedy_counters)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -111,11 +111,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_sample(
-    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor
+    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor, counters: torch.Tensor
 ) -> torch.Tensor:
     """Each row's most likely token as [bs] int32, also written into the flattened token table at
-    entries."""
-    return _ops_for(logits).greedy_sample(logits, token_table, entries)
+    entries. counters: int32 zeros, at least one per row, which the Triton kernel leaves zero."""
+    return _ops_for(logits).greedy_sample(logits, token_table, entries, counters)
 
 
 def read_tables(

@@ -131,10 +131,10 @@ def sample_temperature(
 
 
 def greedy_sample(
-    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor
+    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor, counters: torch.Tensor
 ) -> torch.Tensor:
     """Each row's most likely token (the first on a tie) as [bs] int32, also written into the
-    flattened token table at entries [bs]."""
+    flattened token table at entries [bs]. counters: the Triton kernel's scratch, unused here."""
     tokens = logits.argmax(dim=-1).to(torch.int32)
     token_table.view(-1).scatter_(0, entries, tokens)
     return tokens

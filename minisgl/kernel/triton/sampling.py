@@ -94,8 +94,9 @@ def sample_temperature(
 
 
 @triton.jit
-def _chunk_argmax_kernel(
-    logits_ptr, max_ptr, best_ptr, stride_row, vocab, CHUNK: tl.constexpr, USE_PDL: tl.constexpr
+def _greedy_kernel(
+    logits_ptr, max_ptr, best_ptr, counter_ptr, out_ptr, table_ptr, entries_ptr, stride_row,
+    vocab, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
@@ -103,43 +104,38 @@ def _chunk_argmax_kernel(
     x = tl.load(
         logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < vocab, other=-float("inf")
     )
-    out = row * num_chunks + chunk
-    tl.store(max_ptr + out, tl.max(x, 0).to(tl.float32))
-    tl.store(best_ptr + out, chunk * CHUNK + tl.argmax(x, 0))  # the first of equal maxima
-
-
-@triton.jit
-def _greedy_kernel(
-    max_ptr, best_ptr, out_ptr, table_ptr, entries_ptr, num_chunks, BLOCK_C: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    wait_for_previous(USE_PDL)
-    row = tl.program_id(0)
-    c = tl.arange(0, BLOCK_C)
-    chunk_max = tl.load(max_ptr + row * num_chunks + c, mask=c < num_chunks, other=-float("inf"))
-    # the first chunk holding the row's max, and in it the first token: torch.argmax's tie rule
-    token = tl.load(best_ptr + row * num_chunks + tl.argmax(chunk_max, 0))
-    tl.store(out_ptr + row, token)
-    tl.store(table_ptr + tl.load(entries_ptr + row), token)
+    stats = row * num_chunks
+    tl.store(max_ptr + stats + chunk, tl.max(x, 0).to(tl.float32))
+    tl.store(best_ptr + stats + chunk, chunk * CHUNK + tl.argmax(x, 0))  # first of equal maxima
+    tl.debug_barrier()  # every thread's stores precede the count (released by the atomic)
+    # the row's last program to finish reduces the chunks
+    if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel") == num_chunks - 1:
+        tl.store(counter_ptr + row, 0)
+        c = tl.arange(0, BLOCK_C)
+        chunk_max = tl.load(max_ptr + stats + c, mask=c < num_chunks, other=-float("inf"))
+        # the first chunk holding the row's max, and in it the first token: torch.argmax's rule
+        token = tl.load(best_ptr + stats + tl.argmax(chunk_max, 0))
+        tl.store(out_ptr + row, token)
+        tl.store(table_ptr + tl.load(entries_ptr + row), token)
 
 
 def greedy_sample(
-    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor
+    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor, counters: torch.Tensor
 ) -> torch.Tensor:
-    """Same as torch_ops.greedy_sample: two kernels in place of argmax, a cast and a scatter, with
-    the row split across programs (torch's argmax of one long row takes ~9 us on an H200)."""
+    """Same as torch_ops.greedy_sample, in one kernel in place of argmax, a cast and a scatter:
+    each row is split across programs (torch's argmax of one 151,936-logit row takes ~9 us on an
+    H200), and the last of them to finish reduces it. counters: int32 zeros, one per row (left
+    zero on return)."""
     bs, vocab = logits.shape
+    assert counters.numel() >= bs and counters.dtype == torch.int32
     chunk = min(_CHUNK, triton.next_power_of_2(vocab))
     num_chunks = triton.cdiv(vocab, chunk)
     chunk_max = torch.empty((bs, num_chunks), dtype=torch.float32, device=logits.device)
     chunk_best = torch.empty((bs, num_chunks), dtype=torch.int32, device=logits.device)
-    _chunk_argmax_kernel[(bs, num_chunks)](
-        logits, chunk_max, chunk_best, logits.stride(0), vocab, CHUNK=chunk, num_warps=8,
-        **pdl_args(logits.device),
-    )  # fmt: skip
     out = torch.empty(bs, dtype=torch.int32, device=logits.device)
-    _greedy_kernel[(bs,)](
-        chunk_max, chunk_best, out, token_table, entries, num_chunks,
-        BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1, **pdl_args(logits.device),
+    _greedy_kernel[(bs, num_chunks)](
+        logits, chunk_max, chunk_best, counters, out, token_table, entries, logits.stride(0),
+        vocab, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=8,
+        **pdl_args(logits.device),
     )  # fmt: skip
     return out
