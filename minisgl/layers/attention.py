@@ -41,6 +41,7 @@ class AttentionLayer(StateLessOP):
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         pool = ctx.attn_backend.pool
+        assert ctx.batch.out_loc is not None, "load_inputs has not run"
         kv_store = KVStore(
             pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), ctx.batch.out_loc, v
         )

@@ -106,5 +106,6 @@ class CausalLM(BaseOP):
     def forward(self) -> torch.Tensor:
         batch = get_global_ctx().batch
         assert batch is not None
+        assert batch.input_ids is not None, "load_inputs has not run"
         x, residual = self.model.forward(batch.input_ids)
         return self.lm_head.forward(x, residual, self.model.norm)
