@@ -1,7 +1,8 @@
-"""Host time to schedule one decode step: reserve each request's next KV page, write the page table,
-and build the batch (its host-to-device copy and the input gathers), as the scheduler does for
-every decode step. At one request on an H200 this host work, not the GPU, sets the step time
-(benchmark/RESULTS.md, fourth session), so it is timed here on its own, with no model.
+"""Host time to schedule one decode step: reserve each request's next KV page, take its page-table
+write, and build the batch (its one host-to-device copy; the forward applies the write and gathers
+the inputs), as the scheduler does for every decode step. In the fourth session this host work,
+not the GPU, set the step time of one request on an H200 (benchmark/RESULTS.md), so it is timed
+here on its own, with no model.
 
     python benchmark/host/bench_decode_step.py                  # the CPU (no GPU needed)
     python benchmark/host/bench_decode_step.py --device cuda

@@ -9,8 +9,9 @@ them are a large share of the step.
 The rule every kernel here keeps, which makes this safe: before `wait_for_previous` it reads
 nothing but weights and the step's inputs, and writes nothing; after it, it sees every write of the
 kernel before. The inputs (positions, seq_lens, the page table, the K/V of earlier steps) are
-written by copies and torch kernels, which are not launched with PDL: the forward's first PDL
-kernel waits for them to finish, and every later one launches after it. Kernels not launched with
+written by copies and by kernels not launched with PDL (torch's, and `read_tables`, which applies
+the step's table writes): the forward's first PDL kernel waits for them to finish, and every later
+one launches after it. Kernels not launched with
 PDL (torch's, cuBLAS's) wait for the whole previous kernel as usual.
 
 The next kernel may launch once every program has passed the wait (`wait_for_previous`), or, for a

@@ -22,16 +22,42 @@ _CHUNK = 4096  # logits per stage-1 program: one load of 8 KiB (bf16) per progra
 
 
 @triton.jit
+def _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK: tl.constexpr):
+    """The chunk's token ids and logits (-inf past the vocabulary)."""
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(
+        logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < vocab, other=-float("inf")
+    )
+    return offs, x
+
+
+@triton.jit
+def _best_of_row(max_ptr, best_ptr, row, num_chunks, BLOCK_C: tl.constexpr):
+    """The row's chunk maxima, and its most likely token: the first chunk holding the max, and in
+    it the first token (torch.argmax's rule on ties)."""
+    c = tl.arange(0, BLOCK_C)
+    chunk_max = tl.load(max_ptr + row * num_chunks + c, mask=c < num_chunks, other=-float("inf"))
+    return chunk_max, tl.load(best_ptr + row * num_chunks + tl.argmax(chunk_max, 0))
+
+
+def _chunk_scratch(logits: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(chunk length, chunks per row, each chunk's max and its first most likely token)."""
+    bs, vocab = logits.shape
+    chunk = min(_CHUNK, triton.next_power_of_2(vocab))
+    num_chunks = triton.cdiv(vocab, chunk)
+    chunk_max = torch.empty((bs, num_chunks), dtype=torch.float32, device=logits.device)
+    chunk_best = torch.empty((bs, num_chunks), dtype=torch.int32, device=logits.device)
+    return chunk, num_chunks, chunk_max, chunk_best
+
+
+@triton.jit
 def _chunk_stats_kernel(
     logits_ptr, temperatures_ptr, max_ptr, sum_ptr, best_ptr, stride_row, vocab,
     CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(
-        logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < vocab, other=-float("inf")
-    )
+    _, x = _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK)
     x = x.to(tl.float32) / tl.load(temperatures_ptr + row)
     m = tl.max(x, 0)
     out = row * num_chunks + chunk
@@ -48,20 +74,18 @@ def _sample_kernel(
     wait_for_previous(USE_PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
-    stats = row * num_chunks + c
-    chunk_max = tl.load(max_ptr + stats, mask=c < num_chunks, other=-float("inf"))
+    chunk_max, best = _best_of_row(max_ptr, best_ptr, row, num_chunks, BLOCK_C)
     m = tl.max(chunk_max, 0)
-    best = tl.load(best_ptr + row * num_chunks + tl.argmax(chunk_max, 0))
-    weights = tl.load(sum_ptr + stats, mask=c < num_chunks, other=0.0) * tl.exp(chunk_max - m)
+    weights = tl.load(sum_ptr + row * num_chunks + c, mask=c < num_chunks, other=0.0)
+    weights *= tl.exp(chunk_max - m)
     target = tl.load(uniforms_ptr + row) * tl.sum(weights, 0)
     after = tl.cumsum(weights, 0)  # running sum up to and including each chunk
     # no chunk reaching the target (rounding) scans the last one, which then fails over to best
     chunk = tl.min(tl.where((after >= target) & (c < num_chunks), c, num_chunks - 1), 0)
     before = tl.sum(tl.where(c < chunk, weights, 0.0), 0)
 
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    offs, x = _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK)
     in_row = offs < vocab
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=in_row, other=-float("inf"))
     p = tl.exp(x.to(tl.float32) / tl.load(temperatures_ptr + row) - m)
     reached = (before + tl.cumsum(p, 0) >= target) & in_row
     token = tl.min(tl.where(reached, offs, vocab), 0)
@@ -74,12 +98,8 @@ def sample_temperature(
     """Sample one token per row of logits [bs, vocab] from softmax(logits / temperature), with
     the uniform numbers given per row (in (0, 1)). Returns [bs] int32."""
     bs, vocab = logits.shape
-    chunk = min(_CHUNK, triton.next_power_of_2(vocab))
-    num_chunks = triton.cdiv(vocab, chunk)
-    chunk_max, chunk_sum = (
-        torch.empty((bs, num_chunks), dtype=torch.float32, device=logits.device) for _ in range(2)
-    )
-    chunk_best = torch.empty((bs, num_chunks), dtype=torch.int32, device=logits.device)
+    chunk, num_chunks, chunk_max, chunk_best = _chunk_scratch(logits)
+    chunk_sum = torch.empty_like(chunk_max)
     _chunk_stats_kernel[(bs, num_chunks)](
         logits, temperatures, chunk_max, chunk_sum, chunk_best, logits.stride(0), vocab,
         CHUNK=chunk, num_warps=8, **pdl_args(logits.device),
@@ -100,21 +120,15 @@ def _greedy_kernel(
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(
-        logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < vocab, other=-float("inf")
-    )
-    stats = row * num_chunks
-    tl.store(max_ptr + stats + chunk, tl.max(x, 0).to(tl.float32))
-    tl.store(best_ptr + stats + chunk, chunk * CHUNK + tl.argmax(x, 0))  # first of equal maxima
+    _, x = _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK)
+    out = row * num_chunks + chunk
+    tl.store(max_ptr + out, tl.max(x, 0).to(tl.float32))
+    tl.store(best_ptr + out, chunk * CHUNK + tl.argmax(x, 0))  # the first of equal maxima
     tl.debug_barrier()  # every thread's stores precede the count (released by the atomic)
     # the row's last program to finish reduces the chunks
     if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel") == num_chunks - 1:
         tl.store(counter_ptr + row, 0)
-        c = tl.arange(0, BLOCK_C)
-        chunk_max = tl.load(max_ptr + stats + c, mask=c < num_chunks, other=-float("inf"))
-        # the first chunk holding the row's max, and in it the first token: torch.argmax's rule
-        token = tl.load(best_ptr + stats + tl.argmax(chunk_max, 0))
+        _, token = _best_of_row(max_ptr, best_ptr, row, num_chunks, BLOCK_C)
         tl.store(out_ptr + row, token)
         tl.store(table_ptr + tl.load(entries_ptr + row), token)
 
@@ -128,10 +142,7 @@ def greedy_sample(
     zero on return)."""
     bs, vocab = logits.shape
     assert counters.numel() >= bs and counters.dtype == torch.int32
-    chunk = min(_CHUNK, triton.next_power_of_2(vocab))
-    num_chunks = triton.cdiv(vocab, chunk)
-    chunk_max = torch.empty((bs, num_chunks), dtype=torch.float32, device=logits.device)
-    chunk_best = torch.empty((bs, num_chunks), dtype=torch.int32, device=logits.device)
+    chunk, num_chunks, chunk_max, chunk_best = _chunk_scratch(logits)
     out = torch.empty(bs, dtype=torch.int32, device=logits.device)
     _greedy_kernel[(bs, num_chunks)](
         logits, chunk_max, chunk_best, counters, out, token_table, entries, logits.stride(0),
