@@ -4,6 +4,12 @@ On CPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), at s
 and fp16 (the interpreter's tl.dot is wrong for bf16 inputs); on CUDA in fp32, fp16 and bf16.
 """
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -452,3 +458,20 @@ def test_llm_with_triton_backend_generates_the_torch_backend_tokens(checkpoint):
         tokens[backend] = [r["token_ids"] for r in first + again]
         assert again[0]["cached_tokens"] > 0
     assert tokens["triton"] == tokens["torch"]
+
+
+def test_every_kernel_compiles_for_hopper():
+    """The interpreter runs kernels as Python and lets through code the compiler rejects (a
+    variable retyped in a branch broke the greedy kernel on the GPU once, with every CPU test
+    green). hopper_compile.py compiles each kernel's variants for sm_90, through ptxas, on CPU."""
+    kernel_dir = Path(triton_ops.__file__).parent
+    kernels = set(re.findall(r"^def (_\w+_kernel)\(", "".join(
+        f.read_text() for f in kernel_dir.glob("*.py")), re.MULTILINE))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("hopper_compile.py")
+    run = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled = {line.split()[0] for line in run.stdout.splitlines()}
+    assert len(kernels) >= 10 and kernels <= compiled, kernels - compiled

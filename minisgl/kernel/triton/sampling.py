@@ -120,7 +120,8 @@ def _greedy_kernel(
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    _, x = _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK)
+    # not `_`: Triton types a variable once, and `_` below is a float vector
+    _ids, x = _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK)
     out = row * num_chunks + chunk
     tl.store(max_ptr + out, tl.max(x, 0).to(tl.float32))
     tl.store(best_ptr + out, chunk * CHUNK + tl.argmax(x, 0))  # the first of equal maxima
