@@ -127,11 +127,14 @@ def use_gemv(rows: int, n: int) -> bool:
 def default_config(n: int, k: int, norm: bool = False, gated: bool = False) -> GemvConfig:
     """The tile for W [n, k] (n: rows of W), from bench_gemv.py's sweeps on an H200 (one row,
     kernels launched with PDL): with many output features, wide programs; with few, long rows per
-    program (each program reads a whole row of the o_proj), or one feature per program over long
+    program (each program reads whole rows of the o_proj), or two features per program over long
     rows. The fused variants have their own best tiles (Qwen3-0.6B, 28 layers): the QKV
     projection with the norm 96.5 us at (16, 1024, 4) against 105.4 at (16, 512, 8); the gated
     gate/up projection 122.2 us at (8, 512, 4) against 129.1; the LM head with the final norm
-    70.6 us at (16, 512, 4) against 81.2 at the QKV projection's tile."""
+    70.6 us at (16, 512, 4) against 81.2 at the QKV projection's tile. o_proj and down_proj were
+    chosen in the model, where the next kernel needs SMs free to start its loads early: one
+    request's decode step took 653.6 us with (8, 2048, 8) and (2, 2048, 8), against 663.8 with
+    (8, 2048, 4) and (1, 1024, 8), whose 1,024 programs of 8 warps fill every SM."""
     if gated:
         block_n, block_k, num_warps = 8, 512, 4
     elif norm and n > _MANY_FEATURES:
@@ -141,9 +144,9 @@ def default_config(n: int, k: int, norm: bool = False, gated: bool = False) -> G
     elif n > _FEW_FEATURES:
         block_n, block_k, num_warps = 16, 512, 8
     elif k <= 2048:
-        block_n, block_k, num_warps = 8, 2048, 4
+        block_n, block_k, num_warps = 8, 2048, 8
     else:
-        block_n, block_k, num_warps = 1, 1024, 8
+        block_n, block_k, num_warps = 2, 2048, 8
     return GemvConfig(block_n, min(block_k, max(16, triton.next_power_of_2(k))), num_warps)
 
 
