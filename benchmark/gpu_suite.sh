@@ -2,12 +2,19 @@
 # Everything that needs the GPU, in one call (the device machine is lent by the minute).
 # Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
 #
-#   benchmark/gpu_suite.sh PART...
+#   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
 #   PART: kernels gemv host latency bench bench-hf profile latency-profile cprofile ablations pdl
 #         tests tests-engine
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
 set -uo pipefail
+tree_hash() {  # the code that runs: the device's copy of .git can be stale, the files are not
+  find minisgl benchmark tests -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12
+}
+if [ "${1:-}" = hash ]; then  # here, to match a summary.log's `code` line with a commit
+  tree_hash
+  exit
+fi
 OUT=${OUT:-/tmp/minisgl-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/.site:${PYTHONPATH:-}"
@@ -17,7 +24,7 @@ fi
 # the console script, for the test that runs it (no network: nothing else is fetched)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$OUT/summary.log"
-git log -1 --format='commit %H %s' 2>/dev/null | tee -a "$OUT/summary.log"
+echo "code $(tree_hash)" | tee -a "$OUT/summary.log"
 
 step() {  # step NAME TIMEOUT CMD...: run, keep the log, put the table's tail in summary.log
   local name=$1 limit=$2
