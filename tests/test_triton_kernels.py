@@ -465,8 +465,8 @@ def test_every_kernel_compiles_for_hopper():
     variable retyped in a branch broke the greedy kernel on the GPU once, with every CPU test
     green). hopper_compile.py compiles each kernel's variants for sm_90, through ptxas, on CPU."""
     kernel_dir = Path(triton_ops.__file__).parent
-    kernels = set(re.findall(r"^def (_\w+_kernel)\(", "".join(
-        f.read_text() for f in kernel_dir.glob("*.py")), re.MULTILINE))  # fmt: skip
+    source = "".join(f.read_text() for f in kernel_dir.glob("*.py"))
+    kernels = set(re.findall(r"^def (_\w+_kernel)\(", source, re.MULTILINE))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("hopper_compile.py")
     run = subprocess.run(

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel.torch_ops import DeviceWrites
+from ..torch_ops import DeviceWrites
 
 _BLOCK = 1024
 
