@@ -36,6 +36,11 @@ from .pdl import pdl_args, wait_for_previous
 
 _BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
 _PROGRAMS_PER_SM = 16
+# above PREFETCH_MAX_BATCH, in 2-byte dtypes: twice the keys per step, half the programs. On an
+# H200 (bf16, contexts 100-2,048) batch 256 took 287.7 us against 300.2, batch 128 146.5 against
+# 161.4 (fp32 tiles of 128 keys would not fit in shared memory)
+_LARGE_BATCH_BLOCK_N = 128
+_LARGE_BATCH_PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 32
 PREFETCH_MAX_BATCH = 16
 
@@ -48,12 +53,14 @@ def num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
-    """Splits per request: enough (request, KV head, split) programs for ~16 per SM, so a small
-    batch occupies every SM and a ragged large one leaves no SM with the tail; 1 once the batch
-    alone has that many. On an H200 over the offline benchmark this rule spent 3.70 s in decode
-    attention, against 3.78 s for a single split from batch 66 up. A function of the batch size
-    only (see the module docstring); sms: the device's multiprocessors."""
-    wanted = _PROGRAMS_PER_SM * sms
+    """Splits per request: enough (request, KV head, split) programs for ~16 per SM (8 above
+    PREFETCH_MAX_BATCH, where each reads twice the keys per step), so a small batch occupies
+    every SM and a ragged large one leaves no SM with the tail; 1 once the batch alone has that
+    many. On an H200 over the offline benchmark, with 64 keys per step throughout, this rule spent
+    3.70 s in decode attention, against 3.78 s for a single split from batch 66 up. A function of
+    the batch size only (see the module docstring); sms: the device's multiprocessors."""
+    per_sm = _PROGRAMS_PER_SM if batch_size <= PREFETCH_MAX_BATCH else _LARGE_BATCH_PROGRAMS_PER_SM
+    wanted = per_sm * sms
     return max(1, min(_MAX_SPLITS, triton.cdiv(wanted, batch_size * num_kv_heads)))
 
 
@@ -226,13 +233,15 @@ def decode_attention(
     mid_o = torch.empty((bs, qo_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, qo_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    prefetch = bs <= PREFETCH_MAX_BATCH
+    block_n = _BLOCK_N if prefetch or q.element_size() > 2 else _LARGE_BATCH_BLOCK_N
     _split_kernel[(bs, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, slots, seq_lens, mid_o, mid_lse, out, split_counters,
         head_dim**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(group),
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-        PREFETCH=bs <= PREFETCH_MAX_BATCH, num_warps=4, num_stages=2, **pdl_args(q.device),
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=block_n,
+        PREFETCH=prefetch, num_warps=4, num_stages=2, **pdl_args(q.device),
     )  # fmt: skip
     return out
