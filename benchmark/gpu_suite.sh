@@ -3,8 +3,8 @@
 # Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
 #
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
-#   PART: kernels gemv host latency bench bench-hf profile latency-profile cprofile ablations pdl
-#         tests tests-engine
+#   PART: kernels sweep-attention gemv host latency bench bench-hf profile latency-profile cprofile
+#         ablations pdl tests tests-engine
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
 set -uo pipefail
@@ -45,6 +45,7 @@ without_pdl() {  # programmatic dependent launch off, against the bench and late
 for part in "$@"; do
   case $part in
     kernels) step kernels 240 python3 benchmark/kernel/bench_attention.py ;;
+    sweep-attention) step sweep_attention 300 python3 benchmark/kernel/sweep_decode_attention.py ;;
     gemv) step gemv 240 python3 benchmark/kernel/bench_gemv.py --json "$OUT/gemv.json" ;;
     host) step host 120 python3 benchmark/host/bench_decode_step.py --device cuda ;;
     latency) step latency 240 python3 benchmark/offline/latency.py ;;
