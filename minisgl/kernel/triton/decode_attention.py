@@ -38,7 +38,7 @@ _BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
 _PROGRAMS_PER_SM = 16
 # above PREFETCH_MAX_BATCH, in 2-byte dtypes: twice the keys per step, half the programs. On an
 # H200 (bf16, contexts 100-2,048) batch 256 took 287.7 us against 300.2, batch 128 146.5 against
-# 161.4 (fp32 tiles of 128 keys would not fit in shared memory)
+# 161.4. In fp32, K and V tiles of 128 keys in two stages would need 256 KiB of shared memory
 _LARGE_BATCH_BLOCK_N = 128
 _LARGE_BATCH_PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 32
