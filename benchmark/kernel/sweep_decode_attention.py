@@ -9,7 +9,6 @@ batches above PREFETCH_MAX_BATCH (RESULTS.md, ninth session).
 import argparse
 import functools
 import itertools
-import math
 import random
 
 import torch
@@ -18,34 +17,9 @@ from bench_attention import HEAD_DIM, KV_HEADS, QO_HEADS, Setup, copy_bandwidth
 from triton.testing import do_bench_cudagraph
 
 from minisgl.kernel.triton import decode_attention, decode_num_splits, num_sms
-from minisgl.kernel.triton.attention_block import dot_block
-from minisgl.kernel.triton.decode_attention import _split_kernel
-from minisgl.kernel.triton.pdl import pdl_args
+from minisgl.kernel.triton.decode_attention import DecodeLaunch
 
 BLOCK_NS, WARPS, STAGES = (32, 64, 128), (4, 8), (2, 3, 4)
-
-
-def launch(
-    q: torch.Tensor, args: tuple[torch.Tensor, ...], counters: torch.Tensor,
-    splits: int, block_n: int, warps: int, stages: int,
-) -> torch.Tensor:  # fmt: skip
-    """decode_attention's launch (without the small-batch prefetch) with the given parameters."""
-    k_cache, v_cache, page_table, slots, seq_lens = args
-    bs, qo_heads, head_dim = q.shape
-    group, block_d = qo_heads // KV_HEADS, dot_block(head_dim)
-    mid_o = torch.empty((bs, qo_heads, splits, block_d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((bs, qo_heads, splits), dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
-    _split_kernel[(bs, KV_HEADS, splits)](
-        q, k_cache, v_cache, page_table, slots, seq_lens, mid_o, mid_lse, out, counters,
-        head_dim**-0.5 * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
-        GROUP=group, NUM_SPLITS=splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(group),
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, BLOCK_N=block_n,
-        PREFETCH=False, num_warps=warps, num_stages=stages, **pdl_args(q.device),
-    )  # fmt: skip
-    return out
 
 
 def sweep(ctx_lens: list[int], copy_bw: float, top: int) -> None:
@@ -60,8 +34,10 @@ def sweep(ctx_lens: list[int], copy_bw: float, top: int) -> None:
     kv_bytes = 2 * sum(ctx_lens) * KV_HEADS * HEAD_DIM * dtype.itemsize
     results = []
     for tile in itertools.product(BLOCK_NS, WARPS, STAGES, sorted({1, 2, 4, default_splits})):
-        block_n, warps, stages, splits = tile
-        run = functools.partial(launch, q, kernel_args, counters, splits, block_n, warps, stages)
+        *launch, splits = tile
+        run = functools.partial(
+            decode_attention, q, *kernel_args, splits, counters, DecodeLaunch(*launch)
+        )
         try:
             error = (run().float() - want).abs().max().item()
             results.append((do_bench_cudagraph(run) * 1e-3, tile, error))

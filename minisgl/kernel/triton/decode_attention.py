@@ -26,6 +26,7 @@ saved (batch 256 took twice as long), so only batches up to PREFETCH_MAX_BATCH d
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -43,6 +44,18 @@ _LARGE_BATCH_BLOCK_N = 128
 _LARGE_BATCH_PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 32
 PREFETCH_MAX_BATCH = 16
+
+
+class DecodeLaunch(NamedTuple):
+    block_n: int  # keys per step
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def decode_launch(batch_size: int, dtype: torch.dtype) -> DecodeLaunch:
+    """The launch for a batch: 64 keys per step up to PREFETCH_MAX_BATCH and in fp32, else 128."""
+    small = batch_size <= PREFETCH_MAX_BATCH or dtype.itemsize > 2
+    return DecodeLaunch(_BLOCK_N if small else _LARGE_BATCH_BLOCK_N)
 
 
 @functools.cache
@@ -220,11 +233,13 @@ def decode_attention(
     seq_lens: torch.Tensor,
     num_splits: int,
     split_counters: torch.Tensor,
+    launch: DecodeLaunch | None = None,
 ) -> torch.Tensor:
     """q: [bs, qo_heads, D] (one token per request); caches: [locations, kv_heads, D];
     page_table: [rows, width] int32 pool locations; slots, seq_lens: [bs] int32 (seq_len >= 1);
     split_counters: int32 zeros, at least bs * kv_heads of them (left zero on return).
-    Returns [bs, qo_heads, D]. Launch shapes and scratch depend on bs and num_splits only."""
+    Returns [bs, qo_heads, D]. Launch shapes and scratch depend on bs and num_splits only;
+    launch: in place of decode_launch's (to sweep it)."""
     bs, qo_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = qo_heads // kv_heads
@@ -233,8 +248,7 @@ def decode_attention(
     mid_o = torch.empty((bs, qo_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, qo_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    prefetch = bs <= PREFETCH_MAX_BATCH
-    block_n = _BLOCK_N if prefetch or q.element_size() > 2 else _LARGE_BATCH_BLOCK_N
+    block_n, num_warps, num_stages = launch or decode_launch(bs, q.dtype)
     _split_kernel[(bs, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, slots, seq_lens, mid_o, mid_lse, out, split_counters,
         head_dim**-0.5 * math.log2(math.e),
@@ -242,6 +256,7 @@ def decode_attention(
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(group),
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=block_n,
-        PREFETCH=prefetch, num_warps=4, num_stages=2, **pdl_args(q.device),
+        PREFETCH=bs <= PREFETCH_MAX_BATCH, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(q.device),
     )  # fmt: skip
     return out

@@ -11,8 +11,8 @@ nothing but weights and the step's inputs, and writes nothing; after it, it sees
 kernel before. The inputs (positions, seq_lens, the page table, the K/V of earlier steps) are
 written by copies and by kernels not launched with PDL (torch's, and `read_tables`, which applies
 the step's table writes): the forward's first PDL kernel waits for them to finish, and every later
-one launches after it. Kernels not launched with
-PDL (torch's, cuBLAS's) wait for the whole previous kernel as usual.
+one launches after it. Kernels not launched with PDL (torch's, cuBLAS's) wait for the whole
+previous kernel as usual.
 
 The next kernel may launch once every program has passed the wait (`wait_for_previous`), or, for a
 kernel whose successor reads much before its own wait, as soon as every program has started
