@@ -166,6 +166,7 @@ class Batch:
     # per request, on the device (int32)
     slots: torch.Tensor  # page-table row
     seq_lens: torch.Tensor  # KV length after this step
+    longest_first: torch.Tensor  # the rows by seq_len, longest first (attention's launch order)
     cu_seqlens_q: torch.Tensor  # [size + 1]
     last_indices: torch.Tensor  # row of each request's last new token
     sample_entries: torch.Tensor  # token-table entry its sampled token goes to (sink: not kept)
@@ -238,6 +239,7 @@ def build_batch(
         page_entries=token_slots * page_table.shape[1] + positions,
         slots=slots,
         seq_lens=seq_lens,
+        longest_first=np.argsort(-np.array(seq_lens), kind="stable"),
         sample_entries=sample_slots * token_table.shape[1] + np.array(seq_lens),
         cu_seqlens_q=cu_seqlens,
         last_indices=[end - 1 for end in cu_seqlens[1:]],
@@ -254,6 +256,7 @@ def build_batch(
         page_entries=t["page_entries"],
         slots=t["slots"],
         seq_lens=t["seq_lens"],
+        longest_first=t["longest_first"],
         cu_seqlens_q=t["cu_seqlens_q"],
         last_indices=t["last_indices"],
         sample_entries=t["sample_entries"],

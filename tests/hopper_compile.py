@@ -68,7 +68,9 @@ def call_every_wrapper() -> None:
             ints(bs), q, k, head_dim, cos_sin, (x(head_dim), x(head_dim), 1e-6), store
         )
         q3 = q.reshape(bs, q_heads, head_dim)
-        ops.decode_attention(q3, k_cache, v_cache, page_table, ints(bs), ints(bs), 4, ints(64))
+        ops.decode_attention(
+            q3, k_cache, v_cache, page_table, ints(bs), ints(bs), 4, ints(64), ints(bs)
+        )
     ops.apply_rope_inplace(
         ints(3), x(3, q_heads * head_dim), x(3, kv_heads * head_dim), head_dim, cos_sin
     )

@@ -146,17 +146,27 @@ def test_decode_attention_matches_reference_for_any_split_count(num_splits, page
 def test_decode_attention_matches_reference_with_and_without_prefetch(dtype):
     """Up to 16 requests each program reads its first key block before the PDL wait and the new
     token's row after it; a larger batch reads everything after the wait (in 2-byte dtypes, in
-    blocks of 128 keys: here one or two splits, with partial blocks). Both match."""
+    blocks of 128 keys: here one or two splits, with partial blocks), its requests in the order
+    it is given. Both match, and a larger batch's result does not depend on that order."""
     torch.manual_seed(0)
     for seq_lens in ([1, 64, 65, 130], [1 + (37 * i) % 300 for i in range(17)]):
         kv = PagedKV(seq_lens, 1, 2, dtype)
         batch = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
+        assert sorted(batch.longest_first.tolist()) == list(range(len(seq_lens)))
+        assert batch.seq_lens[batch.longest_first.long()].diff().le(0).all()
         q, k, v = new_qkv(batch, 4, 2, dtype)
         want = attend(kv.backend("torch"), batch, (q, k, v))
         counters = torch.zeros(len(seq_lens) * 2, dtype=torch.int32, device=DEVICE)
         args = (kv.pool.k_cache(0), kv.pool.v_cache(0), kv.page_table, batch.slots, batch.seq_lens)
-        got = triton_ops.decode_attention(q, *args, 2, counters)
-        assert_close(got, want, ATTENTION_TOL[dtype])
+        shuffled = torch.randperm(len(seq_lens)).to(DEVICE, torch.int32)
+        outputs = [
+            triton_ops.decode_attention(q, *args, 2, counters, order)
+            for order in (None, batch.longest_first, shuffled)
+        ]
+        for got in outputs:
+            assert_close(got, want, ATTENTION_TOL[dtype])
+            assert torch.equal(got, outputs[0])
+        assert counters.count_nonzero() == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -458,6 +468,23 @@ def test_llm_with_triton_backend_generates_the_torch_backend_tokens(checkpoint):
         again = llm.generate([prompts[0] + [11, 12]], params, use_tqdm=False)  # reuses the prefix
         tokens[backend] = [r["token_ids"] for r in first + again]
         assert again[0]["cached_tokens"] > 0
+    assert tokens["triton"] == tokens["torch"]
+
+
+def test_triton_backend_orders_a_large_padded_decode_batch_as_the_torch_backend_does(checkpoint):
+    """Above 16 requests, decode attention starts the longest requests first (the batch's
+    longest_first order); through the graph runner's static batches, 20 requests padded to 32,
+    the tokens equal the torch backend's."""
+    path = checkpoint("qwen3")
+    prompts = [[(5 * i + n) % 500 for i in range(n)] for n in range(3, 43, 2)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(path), device=DEVICE, dtype="float32", attention_backend=backend,
+            max_kv_tokens=2048, max_running_requests=32, cuda_graph_max_bs=32,
+        )  # fmt: skip
+        tokens[backend] = [r["token_ids"] for r in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["triton"] == tokens["torch"]
 
 

@@ -99,7 +99,8 @@ def bench_decode(
     splits = splits or decode_num_splits(setup.bs, KV_HEADS, num_sms(q.device))
     args = setup.kernel_args(batch)
     counters = torch.zeros(setup.bs * KV_HEADS, dtype=torch.int32, device="cuda")
-    seconds = do_bench_cudagraph(lambda: decode_attention(q, *args, splits, counters)) * 1e-3
+    order = batch.longest_first
+    seconds = do_bench_cudagraph(lambda: decode_attention(q, *args, splits, counters, order)) * 1e-3
     bytes_per_s = 2 * sum(setup.ctx_lens) * KV_HEADS * HEAD_DIM * dtype.itemsize / seconds
     return [
         str(splits),

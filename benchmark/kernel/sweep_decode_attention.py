@@ -1,7 +1,8 @@
 """Decode attention's launch at ragged large batches (contexts 100-2,048, the offline benchmark's
 mix): keys per step (BLOCK_N), warps, pipeline stages and splits, each timed inside a CUDA graph
-and reported as a share of the copy bandwidth, next to the default launch. It chose the tile for
-batches above PREFETCH_MAX_BATCH (RESULTS.md, ninth session).
+and reported as a share of the copy bandwidth, next to the default launch with and without the
+longest-first order. It chose the tile for batches above PREFETCH_MAX_BATCH (RESULTS.md, ninth
+session).
 
     python benchmark/kernel/sweep_decode_attention.py            # bf16, batches 256 and 128
 """
@@ -26,28 +27,31 @@ def sweep(ctx_lens: list[int], copy_bw: float, top: int) -> None:
     bs, dtype = len(ctx_lens), torch.bfloat16
     setup = Setup(ctx_lens, 1, dtype)
     q = torch.randn(bs, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
-    kernel_args = setup.kernel_args(setup.batch(1))
+    batch = setup.batch(1)
+    kernel_args, order = setup.kernel_args(batch), batch.longest_first
     counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device="cuda")
     default_splits = decode_num_splits(bs, KV_HEADS, num_sms(q.device))
-    default = functools.partial(decode_attention, q, *kernel_args, default_splits, counters)
+    default = functools.partial(decode_attention, q, *kernel_args, default_splits, counters, order)
+    unordered = functools.partial(decode_attention, q, *kernel_args, default_splits, counters)
     want = default().float()
     kv_bytes = 2 * sum(ctx_lens) * KV_HEADS * HEAD_DIM * dtype.itemsize
     results = []
     for tile in itertools.product(BLOCK_NS, WARPS, STAGES, sorted({1, 2, 4, default_splits})):
         *launch, splits = tile
         run = functools.partial(
-            decode_attention, q, *kernel_args, splits, counters, DecodeLaunch(*launch)
+            decode_attention, q, *kernel_args, splits, counters, order, DecodeLaunch(*launch)
         )
         try:
             error = (run().float() - want).abs().max().item()
             results.append((do_bench_cudagraph(run) * 1e-3, tile, error))
         except triton.runtime.errors.OutOfResources:
             continue
-    seconds = do_bench_cudagraph(default) * 1e-3
-    print(
-        f"bs {bs}, default launch ({default_splits} splits): {seconds * 1e6:.1f} us, "
-        f"{kv_bytes / seconds / copy_bw:.1%} of copy"
-    )
+    for name, fn in (("in the batch's order", unordered), ("longest first", default)):
+        seconds = do_bench_cudagraph(fn) * 1e-3
+        print(
+            f"bs {bs}, default launch ({default_splits} splits), {name}: {seconds * 1e6:.1f} us, "
+            f"{kv_bytes / seconds / copy_bw:.1%} of copy"
+        )
     for seconds, (block_n, warps, stages, splits), error in sorted(results)[:top]:
         print(
             f"bs {bs:>3} BLOCK_N {block_n:>3} warps {warps} stages {stages} splits {splits}: "

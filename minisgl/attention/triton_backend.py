@@ -52,7 +52,7 @@ class TritonBackend(AttentionBackend):
             num_splits = decode_num_splits(q.shape[0], k_cache.shape[1], num_sms(q.device))
             return decode_attention(
                 q, k_cache, v_cache, self.page_table, batch.slots, batch.seq_lens, num_splits,
-                self.split_counters,
+                self.split_counters, batch.longest_first,
             )  # fmt: skip
         meta: ExtendMetadata = batch.attn_metadata
         return extend_attention(

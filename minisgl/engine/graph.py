@@ -22,7 +22,10 @@ logger = init_logger(__name__)
 StepFn = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
 
 # the Batch tensors with one entry per request in a decode, copied into the static rows
-_ROW_FIELDS = ("token_entries", "positions", "page_entries", "slots", "seq_lens", "sample_entries")
+_ROW_FIELDS = (
+    "token_entries", "positions", "page_entries", "slots", "seq_lens", "longest_first",
+    "sample_entries",
+)  # fmt: skip
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -52,14 +55,17 @@ class GraphRunner:
         # rewriting the dummy page's entry, its sampled token going to the token table's sink
         # row (the dummy slot's row there)
         dummy_entry = dummy_slot * page_table_width
-        self._padding = torch.tensor(
-            [0, 0, dummy_entry, dummy_slot, 1, dummy_slot * token_table_width]
-            + [dummy_entry, dummy_loc],
-            dtype=torch.int32,
-            device=device,
-        )
-        self._static = self._padding[:, None].repeat(1, max_bs)
+        padding_row = {
+            "token_entries": 0, "positions": 0, "page_entries": dummy_entry, "slots": dummy_slot,
+            "seq_lens": 1, "longest_first": 0, "sample_entries": dummy_slot * token_table_width,
+        }  # fmt: skip
+        values = [padding_row[field] for field in _ROW_FIELDS] + [dummy_entry, dummy_loc]
+        self._padding = torch.tensor(values, dtype=torch.int32, device=device)[:, None]
+        self._padding = self._padding.repeat(1, max_bs)
         rows = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        # in the longest-first order padding rows (one token) come last, each as itself
+        self._padding[_ROW_FIELDS.index("longest_first")] = rows[:max_bs]
+        self._static = self._padding.clone()
         self._batches = {bs: self._static_batch(bs, rows) for bs in self.sizes}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         if device.type == "cuda":
@@ -120,9 +126,11 @@ class GraphRunner:
             first_write_row = len(_ROW_FIELDS)
             if num_writes > 0:
                 torch.stack(writes, out=self._static[first_write_row:, :num_writes])
-            self._static[first_write_row:, num_writes:bs] = self._padding[first_write_row:, None]
+            self._static[first_write_row:, num_writes:bs] = self._padding[
+                first_write_row:, num_writes:bs
+            ]
         if padded > bs:
-            self._static[:, bs:padded] = self._padding[:, None]
+            self._static[:, bs:padded] = self._padding[:, bs:padded]
         logits, greedy = self.replay(padded)
         return logits[:bs], greedy[:bs]
 

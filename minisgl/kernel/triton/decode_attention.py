@@ -17,6 +17,11 @@ S depends on the batch size only: a CUDA graph replays the same grid and scratch
 seq_lens, so every split derives its token range from seq_lens inside the kernel; programs past a
 request's used splits do nothing.
 
+A program's time grows with its request's length, and the GPU starts programs in grid order, so a
+long request started last leaves the other SMs idle while it finishes. Given the rows sorted
+longest first (`longest_first`, from the host), program rank r computes the r-th longest request:
+the short requests come last and fill the tail.
+
 At a small batch each program reads its first block of keys before waiting for the kernel before
 it (see pdl.py): seq_lens, the page table and every key but the new token's were written before
 the forward began; only the new token's row, which that kernel stores, is read after the wait. At
@@ -37,11 +42,14 @@ from .pdl import pdl_args, wait_for_previous
 
 _BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
 _PROGRAMS_PER_SM = 16
-# above PREFETCH_MAX_BATCH, in 2-byte dtypes: twice the keys per step, half the programs. On an
-# H200 (bf16, contexts 100-2,048) batch 256 took 287.7 us against 300.2, batch 128 146.5 against
-# 161.4. In fp32, K and V tiles of 128 keys in two stages would need 256 KiB of shared memory
+# above PREFETCH_MAX_BATCH, in 2-byte dtypes: twice the keys per step. On an H200 (bf16, contexts
+# 100-2,048) batch 256 took 287.7 us against 300.2, batch 128 146.5 against 161.4. In fp32, K and
+# V tiles of 128 keys in two stages would need 256 KiB of shared memory
 _LARGE_BATCH_BLOCK_N = 128
-_LARGE_BATCH_PROGRAMS_PER_SM = 8
+# launched longest first, a large batch needs few splits: at batches 32, 64, 96 and 128 the best
+# counts were 2, 1, 1 and 1, 1.4-3.7 % faster than the 5, 3, 2 and 2 of 8 programs per SM
+# (RESULTS.md, tenth session)
+_LARGE_BATCH_PROGRAMS_PER_SM = 3
 _MAX_SPLITS = 32
 PREFETCH_MAX_BATCH = 16
 
@@ -66,12 +74,11 @@ def num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
-    """Splits per request: enough (request, KV head, split) programs for ~16 per SM (8 above
-    PREFETCH_MAX_BATCH, where each reads twice the keys per step), so a small batch occupies
-    every SM and a ragged large one leaves no SM with the tail; 1 once the batch alone has that
-    many. On an H200 over the offline benchmark, with 64 keys per step throughout, this rule spent
-    3.70 s in decode attention, against 3.78 s for a single split from batch 66 up. A function of
-    the batch size only (see the module docstring); sms: the device's multiprocessors."""
+    """Splits per request: enough (request, KV head, split) programs for ~16 per SM, so a small
+    batch occupies every SM; above PREFETCH_MAX_BATCH, where the longest requests start first and
+    the short ones fill the tail, ~3 per SM (every split adds partial outputs to write and
+    reduce); 1 once the batch alone has that many. A function of the batch size only (see the
+    module docstring); sms: the device's multiprocessors."""
     per_sm = _PROGRAMS_PER_SM if batch_size <= PREFETCH_MAX_BATCH else _LARGE_BATCH_PROGRAMS_PER_SM
     wanted = per_sm * sms
     return max(1, min(_MAX_SPLITS, triton.cdiv(wanted, batch_size * num_kv_heads)))
@@ -91,6 +98,7 @@ def _split_kernel(
     page_table_ptr,
     slots_ptr,
     seq_lens_ptr,
+    order_ptr,  # [bs] int32: the request rows, longest first (read if ORDERED)
     mid_o_ptr,  # [bs, qo_heads, NUM_SPLITS, BLOCK_D] fp32
     mid_lse_ptr,  # [bs, qo_heads, NUM_SPLITS] fp32
     o_ptr,  # [bs, qo_heads, HEAD_DIM]
@@ -113,11 +121,14 @@ def _split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREFETCH: tl.constexpr,
+    ORDERED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if not PREFETCH:
         wait_for_previous(USE_PDL)
-    req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    split, kv_head, req = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if ORDERED:
+        req = tl.load(order_ptr + req)
     seq_len = tl.load(seq_lens_ptr + req)
     slot = tl.load(slots_ptr + req).to(tl.int64)
     split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
@@ -233,13 +244,16 @@ def decode_attention(
     seq_lens: torch.Tensor,
     num_splits: int,
     split_counters: torch.Tensor,
+    longest_first: torch.Tensor | None = None,
     launch: DecodeLaunch | None = None,
 ) -> torch.Tensor:
     """q: [bs, qo_heads, D] (one token per request); caches: [locations, kv_heads, D];
     page_table: [rows, width] int32 pool locations; slots, seq_lens: [bs] int32 (seq_len >= 1);
-    split_counters: int32 zeros, at least bs * kv_heads of them (left zero on return).
-    Returns [bs, qo_heads, D]. Launch shapes and scratch depend on bs and num_splits only;
-    launch: in place of decode_launch's (to sweep it)."""
+    split_counters: int32 zeros, at least bs * kv_heads of them (left zero on return);
+    longest_first: [bs] int32, the rows by seq_len, longest first; a batch above
+    PREFETCH_MAX_BATCH then starts its longest requests first (a small one, whose programs all
+    run at once, skips that read). Returns [bs, qo_heads, D]. Launch shapes and scratch depend on
+    bs and num_splits only; launch: in place of decode_launch's (to sweep it)."""
     bs, qo_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = qo_heads // kv_heads
@@ -249,14 +263,17 @@ def decode_attention(
     mid_lse = torch.empty((bs, qo_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     block_n, num_warps, num_stages = launch or decode_launch(bs, q.dtype)
-    _split_kernel[(bs, kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, slots, seq_lens, mid_o, mid_lse, out, split_counters,
+    ordered = longest_first is not None and bs > PREFETCH_MAX_BATCH
+    _split_kernel[(num_splits, kv_heads, bs)](
+        q, k_cache, v_cache, page_table, slots, seq_lens, longest_first if ordered else seq_lens,
+        mid_o, mid_lse, out, split_counters,
         head_dim**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(group),
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=block_n,
-        PREFETCH=bs <= PREFETCH_MAX_BATCH, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=bs <= PREFETCH_MAX_BATCH, ORDERED=ordered, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_args(q.device),
     )  # fmt: skip
     return out
