@@ -42,14 +42,13 @@ from .pdl import pdl_args, wait_for_previous
 
 _BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
 _PROGRAMS_PER_SM = 16
-# above PREFETCH_MAX_BATCH, in 2-byte dtypes: twice the keys per step. On an H200 (bf16, contexts
-# 100-2,048) batch 256 took 287.7 us against 300.2, batch 128 146.5 against 161.4. In fp32, K and
-# V tiles of 128 keys in two stages would need 256 KiB of shared memory
+# above PREFETCH_MAX_BATCH, in 2-byte dtypes: twice the keys per step, half the programs. On an
+# H200 (bf16, contexts 100-2,048) batch 256 took 287.7 us against 300.2, batch 128 146.5 against
+# 161.4. In fp32, K and V tiles of 128 keys in two stages would need 256 KiB of shared memory.
+# Launched longest first, batches 32-128 ran 1.4-3.7 % faster with 3 programs per SM, but batch
+# 17 slower and the offline benchmark no faster (RESULTS.md, tenth session)
 _LARGE_BATCH_BLOCK_N = 128
-# launched longest first, a large batch needs few splits: at batches 32, 64, 96 and 128 the best
-# counts were 2, 1, 1 and 1, 1.4-3.7 % faster than the 5, 3, 2 and 2 of 8 programs per SM
-# (RESULTS.md, tenth session)
-_LARGE_BATCH_PROGRAMS_PER_SM = 3
+_LARGE_BATCH_PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 32
 PREFETCH_MAX_BATCH = 16
 
@@ -74,11 +73,11 @@ def num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
-    """Splits per request: enough (request, KV head, split) programs for ~16 per SM, so a small
-    batch occupies every SM; above PREFETCH_MAX_BATCH, where the longest requests start first and
-    the short ones fill the tail, ~3 per SM (every split adds partial outputs to write and
-    reduce); 1 once the batch alone has that many. A function of the batch size only (see the
-    module docstring); sms: the device's multiprocessors."""
+    """Splits per request: enough (request, KV head, split) programs for ~16 per SM (8 above
+    PREFETCH_MAX_BATCH, where each reads twice the keys per step), so a small batch occupies
+    every SM and a ragged large one leaves no SM with the tail; 1 once the batch alone has that
+    many. A function of the batch size only (see the module docstring); sms: the device's
+    multiprocessors."""
     per_sm = _PROGRAMS_PER_SM if batch_size <= PREFETCH_MAX_BATCH else _LARGE_BATCH_PROGRAMS_PER_SM
     wanted = per_sm * sms
     return max(1, min(_MAX_SPLITS, triton.cdiv(wanted, batch_size * num_kv_heads)))
