@@ -4,7 +4,7 @@
     |<-- split 0 -->|<-- split 1 -->| ... |<- last used split ->|  (unused splits)
     split_len = ceil(seq_len / S) rounded up to BLOCK_N, so a short request uses fewer splits
 
-    program (req, kv_head, split): the GROUP query heads of kv_head attend to the split's keys
+    program (split, kv_head, rank r): the GROUP query heads of kv_head attend to the split's keys
         (K/V read once per group) -> partial output o_s and its log2-sum-exp lse_s in scratch;
         the last of the request's used splits to finish (a counter per (req, kv_head) says which)
         then reduces: out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max), and resets the
@@ -19,8 +19,8 @@ request's used splits do nothing.
 
 A program's time grows with its request's length, and the GPU starts programs in grid order, so a
 long request started last leaves the other SMs idle while it finishes. Given the rows sorted
-longest first (`longest_first`, from the host), program rank r computes the r-th longest request:
-the short requests come last and fill the tail.
+longest first (`longest_first`, from the host), rank r is the r-th longest request (without it,
+row r): the short requests come last and fill the tail. Each request's programs are adjacent.
 
 At a small batch each program reads its first block of keys before waiting for the kernel before
 it (see pdl.py): seq_lens, the page table and every key but the new token's were written before
