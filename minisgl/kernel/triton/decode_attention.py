@@ -46,7 +46,8 @@ _PROGRAMS_PER_SM = 16
 # H200 (bf16, contexts 100-2,048) batch 256 took 287.7 us against 300.2, batch 128 146.5 against
 # 161.4. In fp32, K and V tiles of 128 keys in two stages would need 256 KiB of shared memory.
 # Launched longest first, batches 32-128 ran 1.4-3.7 % faster with 3 programs per SM, but batch
-# 17 slower and the offline benchmark no faster (RESULTS.md, tenth session)
+# 17 took 33.5 us with its 3 splits against 28.2 with 4, and the offline benchmark was no faster
+# (RESULTS.md, tenth session)
 _LARGE_BATCH_BLOCK_N = 128
 _LARGE_BATCH_PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 32
