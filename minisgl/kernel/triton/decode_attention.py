@@ -265,8 +265,9 @@ def decode_attention(
     out = torch.empty_like(q)
     block_n, num_warps, num_stages = launch or decode_launch(bs, q.dtype)
     ordered = longest_first is not None and bs > PREFETCH_MAX_BATCH
+    order = longest_first if ordered else seq_lens  # unordered: any int32 pointer, never read
     _split_kernel[(num_splits, kv_heads, bs)](
-        q, k_cache, v_cache, page_table, slots, seq_lens, longest_first if ordered else seq_lens,
+        q, k_cache, v_cache, page_table, slots, seq_lens, order,
         mid_o, mid_lse, out, split_counters,
         head_dim**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
