@@ -95,6 +95,7 @@ def call_every_wrapper() -> None:
 
     ops.rmsnorm(x(3, hidden), x(hidden), 1e-6)
     ops.fused_add_rmsnorm(x(3, hidden), x(3, hidden), x(hidden), 1e-6)
+    ops.fused_add_rmsnorm(x(4, 3, hidden), x(3, hidden), x(hidden), 1e-6)
     ops.silu_and_mul(x(3, 2 * hidden))
     logits = x(2, 151936)
     ops.greedy_sample(logits, ints(64), ints(2), ints(2))

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.llm import default_chunk_size
 
 from .conftest import DEVICE, assert_same_or_near_tie, hf_greedy, hf_model
 
@@ -82,6 +83,30 @@ def test_batched_generate_equals_one_at_a_time(model_path, workload, reference, 
     assert_matches_reference(model_path, workload, reference, outputs)
     llm.scheduler.check_integrity()
     assert llm.scheduler.kv.used_pages == len(llm.scheduler.kv.prefix_cache.cached_pages())
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_k_partial_sums_give_the_reference_tokens(
+    model_path, workload, reference, monkeypatch, splits
+) -> None:
+    """o_proj and down_proj as partial sums over slices of their input, summed by the residual
+    add + RMSNorm after them (forced here for every batch; on a GPU mid-size batches take it).
+    Chunked prefill makes the LM head pick its rows out of partial sums."""
+    monkeypatch.setenv("MINISGL_SPLIT_K", str(splits))
+    prompts, params = workload
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=16384, chunk_size=64)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_matches_reference(model_path, workload, reference, outputs)
+    llm.scheduler.check_integrity()
+
+
+def test_offline_default_chunk_size_follows_the_device(model_path) -> None:
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1024)
+    assert llm.scheduler.config.chunk_size == default_chunk_size(llm.engine.device)
+    if llm.engine.device.type == "cpu":
+        assert llm.scheduler.config.chunk_size == 8192
+    with pytest.raises(ValueError, match="chunk_size"):
+        LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1024, chunk_size=0)
 
 
 def test_chunked_prefill_splits_prompts_into_steps(model_path, workload, reference) -> None:

@@ -8,6 +8,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_
 from minisgl.distributed import set_tp_info
 from minisgl.kernel import torch_ops
 from minisgl.layers import BaseOP, OPList, StateLessOP, get_rope, set_rope_device
+from minisgl.layers.linear import LinearRowParallel
 from minisgl.models import CausalLM, ModelConfig
 from minisgl.models.decoder import DecoderLayer
 from minisgl.utils import cached_load_hf_config, torch_dtype
@@ -114,6 +115,39 @@ def test_fused_add_rmsnorm_returns_norm_and_new_residual() -> None:
     want = torch_ops.rmsnorm(want_residual, w, 1e-5)
     torch_ops.fused_add_rmsnorm(x, residual, w, 1e-5)
     assert torch.equal(residual, want_residual) and torch.equal(x, want)
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_linear_split_k_partial_sums_add_up_to_the_product(splits: int) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 64), torch.randn(24, 64)
+    parts = torch_ops.linear_split_k(x, w, splits)
+    assert parts.shape == (splits, 5, 24)
+    torch.testing.assert_close(parts.sum(0), x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_add_rmsnorm_of_partial_sums_equals_that_of_their_sum() -> None:
+    torch.manual_seed(0)
+    parts, residual, w = torch.randn(4, 3, 64), torch.randn(3, 64), torch.randn(64)
+    x, want_residual = parts.sum(0), residual.clone()
+    want = torch_ops.fused_add_rmsnorm(x, want_residual, w, 1e-5)
+    got = torch_ops.fused_add_rmsnorm(parts, residual, w, 1e-5)
+    assert got.data_ptr() == parts.data_ptr()  # the norm goes into the first partial
+    assert torch.equal(residual, want_residual) and torch.equal(got, want)
+
+
+def test_row_parallel_linear_returns_partial_sums_when_split(monkeypatch) -> None:
+    torch.manual_seed(0)
+    layer = LinearRowParallel(64, 24)
+    layer.weight = torch.randn(24, 64)
+    x = torch.randn(5, 64)
+    assert layer.forward(x).shape == (5, 24)  # on CPU the default rule never splits
+    monkeypatch.setenv("MINISGL_SPLIT_K", "4")
+    parts = layer.forward(x)
+    assert parts.shape == (4, 5, 24)
+    torch.testing.assert_close(parts.sum(0), x @ layer.weight.t(), atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("MINISGL_SPLIT_K", "5")  # does not divide 64 input features: no split
+    assert layer.forward(x).shape == (5, 24)
 
 
 @pytest.mark.parametrize(

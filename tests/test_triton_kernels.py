@@ -271,6 +271,24 @@ def test_fused_add_rmsnorm_updates_residual_and_x_in_place(dtype):
     assert_close(x, want_x, ELEMENTWISE_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rmsnorm_sums_partial_sums_of_x(dtype):
+    """x as three partial sums (a split-K matmul's output): the sum is rounded once, added to the
+    residual, and the norm written into the first partial, as the reference does."""
+    torch.manual_seed(0)
+    parts, residual, weight = (
+        randn(3, 6, 48, dtype=dtype),
+        randn(6, 48, dtype=dtype),
+        randn(48, dtype=dtype),
+    )
+    want_parts, want_residual = parts.clone(), residual.clone()
+    want = torch_ops.fused_add_rmsnorm(want_parts, want_residual, weight, 1e-5)
+    got = triton_ops.fused_add_rmsnorm(parts, residual, weight, 1e-5)
+    assert got.data_ptr() == parts.data_ptr() and got.shape == (6, 48)
+    assert_close(residual, want_residual, ELEMENTWISE_TOL[dtype])
+    assert_close(got, want, ELEMENTWISE_TOL[dtype])
+
+
 @pytest.mark.parametrize("flat", [True, False], ids=["T,H*D", "T,H,D"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_rotates_query_and_key_in_place_like_reference(dtype, flat):

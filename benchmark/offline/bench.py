@@ -54,7 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-len", type=int, default=100, help="shortest prompt and output")
     parser.add_argument("--max-len", type=int, default=1024, help="longest prompt and output")
     parser.add_argument("--temperature", type=float, default=0.6, help="nano-vllm's bench: 0.6")
-    parser.add_argument("--chunk-size", type=int, default=8192, help="prefill tokens per step")
+    parser.add_argument(
+        "--chunk-size", type=int, help="prefill tokens per step (default: the offline API's)"
+    )
     parser.add_argument("--skip-hf", action="store_true", help="no Hugging Face comparison")
     parser.add_argument(
         "--hf-requests",

@@ -29,10 +29,15 @@ def rmsnorm(
 
 def fused_add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> None:
-    """In place: residual <- x + residual; x <- rmsnorm(residual)."""
+) -> torch.Tensor:
+    """In place: residual <- x + residual; x <- rmsnorm(residual), which is returned. x may be
+    [splits, rows, N] partial sums of the addend (`linear_split_k`'s): they are summed in fp32 and
+    rounded once, as a matmul rounds its output, and the norm goes into x[0]."""
+    out = x
+    if x.dim() == residual.dim() + 1:
+        out, x = x[0], x.sum(0, dtype=torch.float32).to(x.dtype)
     residual.add_(x)
-    rmsnorm(residual, weight, eps, out=x)
+    return rmsnorm(residual, weight, eps, out=out)
 
 
 def apply_rope_inplace(
@@ -69,6 +74,16 @@ def apply_rope_inplace(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
+
+
+def linear_split_k(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x @ weight^T as `splits` partial sums over equal slices of the input features, stacked as
+    [splits, rows, N]: one batched matmul over strided views, no copies."""
+    rows, k = x.shape
+    slice_k = k // splits
+    x_slices = x.view(rows, splits, slice_k).transpose(0, 1)
+    weight_slices = weight.view(weight.shape[0], splits, slice_k).permute(1, 2, 0)
+    return torch.bmm(x_slices, weight_slices)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         batch = get_global_ctx().batch
         assert batch is not None
         if not batch.is_decode and not batch.all_logits:
-            x, residual = x[batch.last_indices], residual[batch.last_indices]
+            # x may be partial sums [splits, rows, N] (LinearRowParallel)
+            x, residual = x[..., batch.last_indices, :], residual[batch.last_indices]
         weight = self._tied_embedding.weight if self._tied_embedding is not None else self.weight
         logits, _ = rmsnorm_linear(x, residual, norm.weight, norm.eps, weight)
         if self._tp_size == 1:

@@ -6,7 +6,7 @@ Each computes this rank's shapes from the TP info; the weight loader slices chec
 import torch
 
 from minisgl.distributed import DistributedCommunicator, get_tp_info
-from minisgl.kernel import linear, rmsnorm_linear
+from minisgl.kernel import linear, linear_split_k, rmsnorm_linear
 from minisgl.utils import div_even
 
 from .base import BaseOP
@@ -74,7 +74,10 @@ class LinearQKVMerged(_LinearTPImpl):
 
 
 class LinearRowParallel(_LinearTPImpl):
-    """Split along the input dimension; the partial products are summed across ranks (no bias)."""
+    """Split along the input dimension; the partial products are summed across ranks (no bias).
+    On one rank the output may instead be partial sums over slices of the input, [splits, rows,
+    N] (`linear_split_k`): the residual add + RMSNorm that reads it (`forward_normed` of the next
+    projection, or the LM head) sums them."""
 
     def __init__(self, input_size: int, output_size: int) -> None:
         tp = get_tp_info().size
@@ -83,8 +86,9 @@ class LinearRowParallel(_LinearTPImpl):
         self._comm = DistributedCommunicator()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
-        return self._comm.all_reduce(y) if self._tp_size > 1 else y
+        if self._tp_size == 1:
+            return linear_split_k(x, self.weight)
+        return self._comm.all_reduce(linear(x, self.weight))
 
 
 class LinearOProj(LinearRowParallel):

@@ -86,7 +86,8 @@ class DecoderModel(BaseOP):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last layer's output and the residual stream, before the final norm."""
+        """The last layer's output (partial sums where LinearRowParallel split it) and the
+        residual stream, before the final norm."""
         x = self.embed_tokens.forward(input_ids)
         residual = None
         for layer in self.layers:

@@ -20,7 +20,9 @@ def _write(table_ptr, entries_ptr, values_ptr, num_writes, BLOCK: tl.constexpr):
         tl.store(table_ptr + entries, tl.load(values_ptr + offs, mask=mask), mask=mask)
 
 
-@triton.jit
+# the counts vary step to step: a variant compiled per count being 1 or a multiple of 16 would
+# show up as compiles inside a run (the offline benchmark's with 16,384-token prefill chunks did)
+@triton.jit(do_not_specialize=["num_page_writes", "num_token_writes", "num_tokens"])
 def _read_tables_kernel(
     page_table_ptr, token_table_ptr,
     page_entries_w_ptr, page_values_ptr, num_page_writes,
