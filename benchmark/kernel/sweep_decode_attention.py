@@ -4,13 +4,20 @@ and reported as a share of the copy bandwidth, next to the default launch with a
 longest-first order. It chose the tile for batches above PREFETCH_MAX_BATCH (RESULTS.md, ninth
 session).
 
+`--offline-run N` instead times every N-th decode step of `bench.py`'s run (its batch sizes and
+contexts) with each number of programs per SM the split rule could aim at, and sums the steps:
+the rule's effect on the whole run, without the run's noise.
+
     python benchmark/kernel/sweep_decode_attention.py            # bf16, batches 256 and 128
+    python benchmark/kernel/sweep_decode_attention.py --offline-run 16
 """
 
 import argparse
 import functools
 import itertools
 import random
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -18,9 +25,13 @@ from bench_attention import HEAD_DIM, KV_HEADS, QO_HEADS, Setup, copy_bandwidth
 from triton.testing import do_bench_cudagraph
 
 from minisgl.kernel.triton import decode_attention, decode_num_splits, num_sms
-from minisgl.kernel.triton.decode_attention import DecodeLaunch
+from minisgl.kernel.triton.decode_attention import PREFETCH_MAX_BATCH, DecodeLaunch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offline"))
+from common import make_workload  # the offline benchmark's workload
 
 BLOCK_NS, WARPS, STAGES = (32, 64, 128), (4, 8), (2, 3, 4)
+NUM_LAYERS = 28  # Qwen3-0.6B
 
 
 def sweep(ctx_lens: list[int], copy_bw: float, top: int) -> None:
@@ -60,13 +71,64 @@ def sweep(ctx_lens: list[int], copy_bw: float, top: int) -> None:
         )
 
 
+def offline_run_steps(every: int) -> list[list[int]]:
+    """Contexts of every `every`-th decode step of bench.py's run that has more than
+    PREFETCH_MAX_BATCH requests. Taken as if every prompt were prefilled before the first decode
+    (in the run, the first requests decode while later prompts prefill: ~16 steps)."""
+    workload = make_workload(256, 100, 1024, vocab_size=1)
+    lens = list(zip(workload.prompt_lens, workload.output_lens, strict=True))
+    steps = [
+        [prompt + step + 1 for prompt, output in lens if output > step]
+        for step in range(0, max(workload.output_lens), every)
+    ]
+    return [contexts for contexts in steps if len(contexts) > PREFETCH_MAX_BATCH]
+
+
+def compare_split_rules(every: int, programs_per_sm: list[int]) -> None:
+    """Decode attention's time over bench.py's run (all layers, the steps in between counted as
+    the one timed) for each number of programs per SM the split rule could aim at."""
+    sms = num_sms(torch.device("cuda"))
+    totals = dict.fromkeys(["default", *programs_per_sm], 0.0)
+    for contexts in offline_run_steps(every):
+        bs = len(contexts)
+        setup = Setup(contexts, 1, torch.bfloat16)
+        q = torch.randn(bs, QO_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        batch = setup.batch(1)
+        counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device="cuda")
+        splits = {"default": decode_num_splits(bs, KV_HEADS, sms)}
+        splits |= {n: max(1, min(32, triton.cdiv(n * sms, bs * KV_HEADS))) for n in programs_per_sm}
+        timed: dict[int, float] = {}
+        for split_count in sorted(set(splits.values())):
+            run = functools.partial(
+                decode_attention, q, *setup.kernel_args(batch), split_count, counters,
+                batch.longest_first,
+            )  # fmt: skip
+            timed[split_count] = do_bench_cudagraph(run) * 1e-3
+        for rule, split_count in splits.items():
+            totals[rule] += timed[split_count] * every * NUM_LAYERS
+        del setup
+    for rule, seconds in totals.items():
+        name = "the default rule" if rule == "default" else f"{rule} programs per SM"
+        print(
+            f"{name:>22}: {seconds:.3f} s of decode attention over the run, "
+            f"{totals['default'] / seconds:.3f}x the default's speed"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[256, 128])
     parser.add_argument("--top", type=int, default=8, help="launches printed per batch size")
+    parser.add_argument(
+        "--offline-run", type=int, metavar="N", help="compare split rules on every N-th step"
+    )
+    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 3, 4, 6, 8, 12, 16])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("sweep_decode_attention: no CUDA device, nothing to measure")
+        return
+    if args.offline_run:
+        compare_split_rules(args.offline_run, args.programs_per_sm)
         return
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
