@@ -18,14 +18,16 @@ Prompt = str | list[int]
 
 
 def default_chunk_size(device: torch.device) -> int:
-    """Prefill tokens per step when none is given: 16,384 on a GPU of 70 GiB or more, else 8,192
-    (vLLM's offline defaults). A prefill step runs eagerly, and on an H200 launching its kernels
-    takes the host about as long as the GPU takes for 8,192 tokens: twice the tokens per step
-    halves the launches, and the offline benchmark ran 1.6-3.4 % faster (RESULTS.md, eleventh
-    session). The server keeps 8,192, since a longer step delays its running streams more."""
-    if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= 70 << 30:
-        return 16384
-    return 8192
+    """Prefill tokens per step when none is given: 16,384 on a GPU of 70 GiB or more but an A100,
+    else 8,192 (vLLM's offline defaults; vLLM measured the larger one slower on an A100). A
+    prefill step runs eagerly, and on an H200 launching its kernels takes the host about as long
+    as the GPU takes for 8,192 tokens: twice the tokens per step halves the launches, and the
+    offline benchmark ran 1.6-3.4 % faster (RESULTS.md, eleventh session). The server keeps
+    8,192, since a longer step delays its running streams more."""
+    if device.type != "cuda":
+        return 8192
+    properties = torch.cuda.get_device_properties(device)
+    return 16384 if properties.total_memory >= 70 << 30 and "A100" not in properties.name else 8192
 
 
 class LLM:

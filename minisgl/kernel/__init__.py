@@ -18,9 +18,9 @@ from .torch_ops import DeviceWrites, KVStore, indexing
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
 # Slices of K per row count, for matrices of at most 2,048 output features. bench_split_k.py on an
 # H200 (bf16; 28 layers of o_proj or down_proj, each with the residual add + RMSNorm after it):
-# from 3 to 224 rows, 4 slices ran 1.05-1.74x as fast as cuBLAS's matmul and at least as fast as 2;
-# at 256 rows 2 slices 1.12-1.19x, 1-2 % ahead of 4; at 512 rows 2 slices 1.03x, 4 slower than
-# cuBLAS; from 1,024 rows neither was faster
+# from 3 to 224 rows, 4 slices ran 1.05-1.74x as fast as cuBLAS's matmul, and as fast as 2 or
+# faster; at 256 rows 2 slices 1.12-1.19x, 0.5-2 % ahead of 4; at 512 rows 2 slices 1.03x, 4
+# slower than cuBLAS; from 1,024 rows neither was faster
 _SPLIT_K_MAX_FEATURES = 2048
 _SPLIT_K_BY_ROWS = ((224, 4), (512, 2))  # (up to this many rows, slices)
 
