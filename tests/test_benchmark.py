@@ -75,7 +75,8 @@ def test_latency_reports_the_requested_tokens(checkpoint) -> None:
     assert ours["output_tokens"] == floor["output_tokens"] == 8
 
 
-def test_decode_step_benchmark_builds_each_batch_size() -> None:
-    rows = bench_decode_step.main(["--steps", "20"])
+@pytest.mark.parametrize("temperature", ["0", "0.6"])
+def test_decode_step_benchmark_builds_each_batch_size(temperature: str) -> None:
+    rows = bench_decode_step.main(["--steps", "20", "--temperature", temperature])
     assert [row["batch"] for row in rows] == [1, 16, 256]
     assert all(0 < row["median_us"] <= row["p90_us"] for row in rows)

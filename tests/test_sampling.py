@@ -1,5 +1,6 @@
 """The sampler (per-request parameters and seeds) and the stop rules."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def sample_many(probs: torch.Tensor, **params: float) -> torch.Tensor:
         top_k=torch.full((rows,), int(params.get("top_k", len(probs))), dtype=torch.int64),
         top_p=torch.full((rows,), float(params.get("top_p", 1.0))),
         min_p=torch.full((rows,), float(params.get("min_p", 0.0))),
-        uniforms=hash_uniform(torch.arange(rows) * 7919, torch.full((rows,), 3)).float(),
+        uniforms=torch.from_numpy(hash_uniform(range(0, rows * 7919, 7919), [3] * rows)).float(),
         greedy=torch.zeros(rows, dtype=torch.bool),
         all_greedy=False,
         use_top_k_top_p="top_k" in params or "top_p" in params,
@@ -55,12 +56,31 @@ def test_filtered_distribution_is_sampled_faithfully(params: dict, expected: lis
 
 
 def test_hash_uniform_is_uniform() -> None:
-    u = hash_uniform(
-        torch.arange(100000, dtype=torch.int64), torch.zeros(100000, dtype=torch.int64)
-    )
+    u = hash_uniform(range(100000), [0] * 100000)
     assert u.min() > 0 and u.max() < 1
-    hist = torch.histc(u.float(), bins=10, min=0, max=1) / len(u)
-    assert (hist - 0.1).abs().max() < 0.01
+    hist = np.histogram(u, bins=10, range=(0, 1))[0] / len(u)
+    assert np.abs(hist - 0.1).max() < 0.01
+
+
+def _fmix32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_hash_uniform_equals_the_formula_on_python_integers() -> None:
+    """The numpy arrays wrap around where the hash needs it, for any signed 64-bit seed."""
+    seeds = [0, 1, -1, 2**63 - 1, -(2**63), 1234567890123]
+    positions = [0, 5, 7, 100, 2**20, 3]
+    want = []
+    for seed, position in zip(seeds, positions, strict=True):
+        bits = seed % 2**64
+        h = _fmix32(_fmix32(bits >> 32) ^ (bits & 0xFFFFFFFF))
+        h = _fmix32((h + position * 0x9E3779B9) & 0xFFFFFFFF)
+        want.append(((h >> 8) + 0.5) / 2**24)
+    assert hash_uniform(seeds, positions).tolist() == want
 
 
 @pytest.fixture(scope="module")

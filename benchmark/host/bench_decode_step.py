@@ -1,11 +1,12 @@
 """Host time to schedule one decode step: reserve each request's next KV page, take its page-table
-write, and build the batch (its one host-to-device copy; the forward applies the write and gathers
-the inputs), as the scheduler does for every decode step. In the fourth session this host work,
-not the GPU, set the step time of one request on an H200 (benchmark/RESULTS.md), so it is timed
-here on its own, with no model.
+write, build the batch (its one host-to-device copy; the forward applies the write and gathers
+the inputs) and its sampling arguments, as the scheduler does for every decode step. In the
+fourth session this host work, not the GPU, set the step time of one request on an H200
+(benchmark/RESULTS.md), so it is timed here on its own, with no model.
 
     python benchmark/host/bench_decode_step.py                  # the CPU (no GPU needed)
     python benchmark/host/bench_decode_step.py --device cuda
+    python benchmark/host/bench_decode_step.py --temperature 0.6   # sampled, as bench.py's run
 """
 
 import argparse
@@ -16,17 +17,24 @@ from typing import Any
 import torch
 
 from minisgl.core import Req, SamplingParams, build_batch
+from minisgl.engine import Sampler
 from minisgl.kvcache import KVCacheManager
 from minisgl.utils import resolve_device
 
+VOCAB_SIZE = 151936  # Qwen3's: where top-k is off, the sampler sends the vocabulary size
 
-def time_steps(batch_size: int, device: torch.device, steps: int, context: int) -> list[float]:
+
+def time_steps(
+    batch_size: int, device: torch.device, steps: int, context: int, temperature: float
+) -> list[float]:
     """Seconds per scheduled decode step for batch_size requests of `context` tokens each."""
     width = context + steps + 1
     page_table = torch.zeros((batch_size + 1, width), dtype=torch.int32, device=device)
     token_table = torch.zeros_like(page_table)
     kv = KVCacheManager(batch_size * width, 1, width, "radix")
-    reqs = [Req(i, [1] * context, SamplingParams(), seed=i, slot=i) for i in range(batch_size)]
+    params = SamplingParams(temperature=temperature)
+    reqs = [Req(i, [1] * context, params, seed=i, slot=i) for i in range(batch_size)]
+    sampler = Sampler(VOCAB_SIZE, device)
     for req in reqs:
         kv.admit(req.slot, [])
         assert kv.reserve(req.slot, context)
@@ -40,6 +48,7 @@ def time_steps(batch_size: int, device: torch.device, steps: int, context: int) 
         assert kv.reserve_all([(req.slot, n + 1) for req, n in zip(reqs, lens, strict=True)])
         writes = kv.take_page_writes()
         batch = build_batch(reqs, lens, [1] * batch_size, page_table, token_table, None, writes)
+        sampler.prepare(batch)
         seconds.append(time.perf_counter() - start)
         assert batch.is_decode and batch.num_tokens == batch_size
         lens = [n + 1 for n in lens]
@@ -50,13 +59,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     torch.set_num_threads(1)
     rows = []
     print(f"{'batch':>6} {'median us/step':>15} {'p90 us/step':>12}")
     for batch_size in (1, 16, 256):
-        seconds = time_steps(batch_size, device, args.steps, context=256)[args.steps // 10 :]
+        seconds = time_steps(batch_size, device, args.steps, 256, args.temperature)
+        seconds = seconds[args.steps // 10 :]  # the first steps warm the caches up
         row = {
             "batch": batch_size,
             "median_us": 1e6 * statistics.median(seconds),
