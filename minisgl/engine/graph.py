@@ -55,7 +55,7 @@ class GraphRunner:
         # rewriting the dummy page's entry, its sampled token going to the token table's sink
         # row (the dummy slot's row there)
         dummy_entry = dummy_slot * page_table_width
-        padding_row = {
+        padding_row = {  # longest_first: set per column below
             "token_entries": 0, "positions": 0, "page_entries": dummy_entry, "slots": dummy_slot,
             "seq_lens": 1, "longest_first": 0, "sample_entries": dummy_slot * token_table_width,
         }  # fmt: skip
