@@ -98,6 +98,14 @@ def check_prompt(prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int) -
             f"this model's maximum context length is {max_seq_len} tokens; the prompt has "
             f"{len(prompt_ids)}, leaving no room for a generated token"
         )
+    # the common case in C loops: a Python loop over every id held the GPU idle for ~12 ms at
+    # the start of the offline benchmark (256 prompts, 143k ids)
+    if (
+        set(map(type, prompt_ids)) == {int}
+        and min(prompt_ids) >= 0
+        and max(prompt_ids) < vocab_size
+    ):
+        return
     bad = next((t for t in prompt_ids if not _is_int(t) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
