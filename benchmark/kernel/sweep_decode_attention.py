@@ -115,6 +115,48 @@ def compare_split_rules(every: int, programs_per_sm: list[int]) -> None:
         )
 
 
+def compare_launches(every: int) -> None:
+    """Every launch of a small grid (keys per step, stages, splits) on each `every`-th decode
+    step of bench.py's run: the best per step next to the default, and what taking the best at
+    every step would save over the run (all layers)."""
+    sms = num_sms(torch.device("cuda"))
+    tiles = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3)]
+    default_total = best_total = 0.0
+    for contexts in offline_run_steps(every):
+        bs = len(contexts)
+        setup = Setup(contexts, 1, torch.bfloat16)
+        q = torch.randn(bs, QO_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        batch = setup.batch(1)
+        args = (q, *setup.kernel_args(batch))
+        counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device="cuda")
+        default_splits = decode_num_splits(bs, KV_HEADS, sms)
+        run = functools.partial(
+            decode_attention, *args, default_splits, counters, batch.longest_first
+        )
+        default = do_bench_cudagraph(run) * 1e-3
+        timed = []
+        for tile, splits in itertools.product(tiles, sorted({1, 2, 3, 4, 6, default_splits})):
+            run = functools.partial(
+                decode_attention, *args, splits, counters, batch.longest_first, DecodeLaunch(*tile)
+            )
+            try:
+                timed.append((do_bench_cudagraph(run) * 1e-3, tile, splits))
+            except triton.runtime.errors.OutOfResources:
+                continue
+        best, tile, splits = min(timed)
+        default_total += default * every * NUM_LAYERS
+        best_total += min(best, default) * every * NUM_LAYERS
+        print(
+            f"bs {bs:>3} default ({default_splits} splits) {default * 1e6:7.1f} us, best "
+            f"{tile} x {splits} splits {best * 1e6:7.1f} us: {default / best:.3f}x"
+        )
+        del setup
+    print(
+        f"over the run: default {default_total:.3f} s, best per step {best_total:.3f} s "
+        f"({default_total / best_total:.3f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[256, 128])
@@ -123,9 +165,15 @@ def main() -> None:
         "--offline-run", type=int, metavar="N", help="compare split rules on every N-th step"
     )
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 3, 4, 6, 8, 12, 16])
+    parser.add_argument(
+        "--offline-launches", type=int, metavar="N", help="sweep launches on every N-th step"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("sweep_decode_attention: no CUDA device, nothing to measure")
+        return
+    if args.offline_launches:
+        compare_launches(args.offline_launches)
         return
     if args.offline_run:
         compare_split_rules(args.offline_run, args.programs_per_sm)
