@@ -7,6 +7,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.engine import Sampler, SamplingArgs
 from minisgl.engine.sampler import hash_uniform
+from minisgl.kernel import sample_tokens
 from minisgl.kernel.torch_ops import row_cumsum
 
 from .conftest import DEVICE, hf_model
@@ -16,23 +17,31 @@ N = 20000
 
 
 def sample_many(probs: torch.Tensor, **params: float) -> torch.Tensor:
-    """Frequencies of N draws (N distinct seeds) from one fixed distribution."""
+    """Frequencies of N draws (N distinct seeds) from one fixed distribution, as the engine
+    draws them: plain temperature sampling in the step's kernel, filtered sampling after it."""
     rows = N
+    filtered = any(name in params for name in ("top_k", "top_p", "min_p"))
+    temperatures = torch.full((rows,), float(params.get("temperature", 1.0)))
+    uniforms = torch.from_numpy(hash_uniform(range(0, rows * 7919, 7919), [3] * rows)).float()
+    logits = probs.log().expand(rows, -1).clone()
+    counters = torch.zeros(rows, dtype=torch.int32)
+    table, entries = torch.zeros(rows, dtype=torch.int32), torch.arange(rows)
+    in_step = None if filtered else (temperatures, uniforms)
+    step_tokens = sample_tokens(logits, table, entries, counters, *(in_step or ()))
     args = SamplingArgs(
-        temperatures=torch.full((rows,), float(params.get("temperature", 1.0))),
+        temperatures=temperatures,
         top_k=torch.full((rows,), int(params.get("top_k", len(probs))), dtype=torch.int64),
         top_p=torch.full((rows,), float(params.get("top_p", 1.0))),
         min_p=torch.full((rows,), float(params.get("min_p", 0.0))),
-        uniforms=torch.from_numpy(hash_uniform(range(0, rows * 7919, 7919), [3] * rows)).float(),
+        uniforms=uniforms,
         greedy=torch.zeros(rows, dtype=torch.bool),
         all_greedy=False,
+        filtered=filtered,
         use_top_k_top_p="top_k" in params or "top_p" in params,
         use_min_p="min_p" in params,
         num_logprobs=-1,
     )
-    logits = probs.log().expand(rows, -1).clone()
-    greedy = logits.argmax(dim=-1).to(torch.int32)
-    tokens = Sampler(len(probs), torch.device("cpu")).sample(logits, greedy, args).tokens
+    tokens = Sampler(len(probs), torch.device("cpu")).sample(logits, step_tokens, args).tokens
     return torch.bincount(tokens.long(), minlength=len(probs)).float() / rows
 
 
@@ -103,6 +112,37 @@ def test_seed_reproduces_alone_and_in_a_batch(llm: LLM) -> None:
     assert outs[5]["token_ids"] == alone
     different = SamplingParams(temperature=1.0, max_tokens=16, seed=4321, ignore_eos=True)
     assert llm.generate([PROMPT], different, use_tqdm=False)[0]["token_ids"] != alone
+
+
+def test_graph_runner_samples_the_tokens_of_the_plain_forward(checkpoint) -> None:
+    """Greedy rows and temperature sampling run inside the step (inside the CUDA graph on a GPU,
+    through its static buffers on the CPU), filtered rows after it. Mixed batches, then a greedy
+    batch (the static temperatures zeroed) and a sampled one again, give the tokens of the plain
+    forward."""
+    prompts = [[(7 * i + n) % 500 for i in range(n)] for n in range(3, 13)]
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=5),
+        SamplingParams(temperature=1.2, top_p=0.9, max_tokens=12, ignore_eos=True, seed=6),
+    ]
+    mixed = [kinds[i % 3] for i in range(len(prompts))]
+    tokens = {}
+    for max_bs in (0, 16):
+        llm = LLM(
+            str(checkpoint("llama")), device=DEVICE, dtype="float32", max_kv_tokens=4096,
+            cuda_graph_max_bs=max_bs,
+        )  # fmt: skip
+        assert (llm.engine.graph_runner is not None) == (max_bs > 0)
+        runs = [
+            llm.generate(prompts, mixed, use_tqdm=False),
+            llm.generate(prompts[:4], mixed[:2] * 2, use_tqdm=False),  # no filtered row
+            llm.generate(prompts[:4], kinds[0], use_tqdm=False),
+            llm.generate(prompts[:4], kinds[1], use_tqdm=False),
+        ]
+        tokens[max_bs] = [[r["token_ids"] for r in run] for run in runs]
+    assert tokens[16] == tokens[0]
+    greedy, sampled = tokens[0][2], tokens[0][3]
+    assert greedy != sampled
 
 
 def test_top_k_1_equals_greedy(llm: LLM) -> None:

@@ -43,7 +43,7 @@ from minisgl.utils import cached_load_hf_config, resolve_device, resolve_dtype
 
 GOAL_SHARE = 0.75  # the goal: 75 % of the floor (about 27,000 tok/s on an H200)
 TOP_KERNELS = 30
-STEP_END = "_sample_kernel"  # the last kernel of a step (temperature sampling)
+STEP_END = "_sample_kernel"  # the last kernel of a step (it samples the tokens)
 PREFILL_KERNEL = "_extend_kernel"
 
 

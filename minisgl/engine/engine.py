@@ -17,7 +17,7 @@ import torch.distributed as dist
 from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, get_global_ctx, load_inputs
 from minisgl.distributed import set_tp_info
-from minisgl.kernel import greedy_sample
+from minisgl.kernel import sample_tokens
 from minisgl.kvcache import KVPool
 from minisgl.models import CausalLM, ModelConfig, load_model
 from minisgl.utils import cached_load_hf_config, init_logger, resolve_device, resolve_dtype
@@ -98,12 +98,12 @@ class Engine:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attn_backend = create_attention_backend(backend, self.pool, self.page_table)
         self.sampler = Sampler(mc.vocab_size, self.device)
-        greedy_counters = torch.zeros(
+        sample_counters = torch.zeros(
             config.max_running_requests, dtype=torch.int32, device=self.device
         )
         # not a bound method: the graph runner holds it, and must not keep the engine alive
         self._step = functools.partial(
-            _forward_step, self.model, self.page_table, self.token_table, greedy_counters
+            _forward_step, self.model, self.page_table, self.token_table, sample_counters
         )
 
         max_bs = config.cuda_graph_max_bs
@@ -174,13 +174,14 @@ class Engine:
         """Compute one batch and sample one token per request."""
         assert not batch.all_logits
         self.attn_backend.prepare(batch)
+        sampling = args.in_step
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits, greedy = self.graph_runner.run(batch)
+            logits, step_tokens = self.graph_runner.run(batch, sampling)
         else:
             with get_global_ctx().forward_batch(batch, self.attn_backend):
-                logits, greedy = self._step(batch)
-        out = self.sampler.sample(logits, greedy, args)
-        if not args.all_greedy:  # the sampled tokens replace the greedy ones already written
+                logits, step_tokens = self._step(batch, sampling)
+        out = self.sampler.sample(logits, step_tokens, args)
+        if args.filtered:  # the tokens drawn after the step replace the ones it wrote
             self.token_table.view(-1).scatter_(0, batch.sample_entries, out.tokens)
         host = SampleOutput(*(None if t is None else _to_host(t) for t in vars(out).values()))
         done = None
@@ -194,14 +195,20 @@ def _forward_step(
     model: CausalLM,
     page_table: torch.Tensor,
     token_table: torch.Tensor,
-    greedy_counters: torch.Tensor,
+    sample_counters: torch.Tensor,
     batch: Batch,
+    sampling: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and greedy tokens, the latter already written into the token table: the part of a
-    step that a CUDA graph captures. Runs inside `forward_batch`."""
+    """Logits and each row's token, already written into the token table: the part of a step
+    that a CUDA graph captures. sampling: (temperatures, uniforms), a temperature of 0 marking a
+    greedy row; None: every row greedy. Runs inside `forward_batch`."""
     load_inputs(batch, page_table, token_table)
     logits = model.forward()
-    return logits, greedy_sample(logits, token_table, batch.sample_entries, greedy_counters)
+    temperatures, uniforms = sampling if sampling is not None else (None, None)
+    tokens = sample_tokens(
+        logits, token_table, batch.sample_entries, sample_counters, temperatures, uniforms
+    )
+    return logits, tokens
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """CUDA graphs for decode batches.
 
 Each captured size replays the whole step with no launch overhead: the table writes and reads, the
-model, and the greedy tokens written into the token table. A batch is padded up to the next
-captured size with padding rows that point at the dummy slot and the dummy KV page, so padding
-never touches a real request's state. The same static-buffer path runs on the CPU without capture,
-so CI checks the padding logic against the plain forward.
+model, and the tokens (greedy or drawn with a temperature) written into the token table. A batch is
+padded up to the next captured size with padding rows that point at the dummy slot and the dummy
+KV page, so padding never touches a real request's state. The same static-buffer path runs on the
+CPU without capture, so CI checks the padding logic against the plain forward.
 """
 
 import bisect
@@ -18,8 +18,9 @@ from minisgl.utils import init_logger
 
 logger = init_logger(__name__)
 
-# a batch's (logits, greedy tokens); runs inside forward_batch
-StepFn = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
+# (batch, (temperatures, uniforms) or None: all greedy) -> (logits, tokens); inside forward_batch
+Sampling = tuple[torch.Tensor, torch.Tensor] | None
+StepFn = Callable[[Batch, Sampling], tuple[torch.Tensor, torch.Tensor]]
 
 # the Batch tensors with one entry per request in a decode, copied into the static rows
 _ROW_FIELDS = (
@@ -66,6 +67,11 @@ class GraphRunner:
         # in the longest-first order padding rows (one token) come last, each as itself
         self._padding[_ROW_FIELDS.index("longest_first")] = rows[:max_bs]
         self._static = self._padding.clone()
+        # each row's temperature (0: greedy) and uniform number, read by the step's sampling
+        # kernel. Zero while every batch since the last zeroing was greedy: an all-greedy step
+        # then writes nothing here
+        self._sampling = torch.zeros((2, max_bs), dtype=torch.float32, device=device)
+        self._sampling_is_zero = True
         self._batches = {bs: self._static_batch(bs, rows) for bs in self.sizes}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         if device.type == "cuda":
@@ -91,13 +97,14 @@ class GraphRunner:
                 self.sizes
             ):  # largest first, so smaller graphs reuse its memory pool
                 batch = self._batches[bs]
+                sampling = self._static_sampling(bs)
                 with ctx.forward_batch(batch, self.attn_backend):
-                    self.step(batch)  # warm-up: lazy initialisation stays out of the graph
+                    self.step(batch, sampling)  # warm-up: lazy initialisation stays out
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        logits, greedy = self.step(batch)
+                        logits, tokens = self.step(batch, sampling)
                 pool = graph.pool()
-                self._graphs[bs] = (graph, logits, greedy)
+                self._graphs[bs] = (graph, logits, tokens)
         torch.cuda.current_stream(device).wait_stream(stream)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
@@ -112,9 +119,19 @@ class GraphRunner:
             and num_page_writes <= batch.size
         )
 
-    def run(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's logits and greedy tokens (already written into the token table)."""
+    def _static_sampling(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._sampling[0, :bs], self._sampling[1, :bs]
+
+    def run(self, batch: Batch, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's logits and tokens (already written into the token table); sampling:
+        (temperatures, uniforms), or None when every row is greedy."""
         bs = batch.size
+        if sampling is not None:
+            torch.stack(sampling, out=self._sampling[:, :bs])
+            self._sampling_is_zero = False
+        elif not self._sampling_is_zero:
+            self._sampling.zero_()
+            self._sampling_is_zero = True
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         rows = [getattr(batch, f) for f in _ROW_FIELDS]
         writes = [] if batch.page_writes is None else list(batch.page_writes)
@@ -131,16 +148,16 @@ class GraphRunner:
             ]
         if padded > bs:
             self._static[:, bs:padded] = self._padding[:, bs:padded]
-        logits, greedy = self.replay(padded)
-        return logits[:bs], greedy[:bs]
+        logits, tokens = self.replay(padded)
+        return logits[:bs], tokens[:bs]
 
     def replay(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step of captured size bs on whatever its static inputs hold. Replayed alone in
         a loop, it times the GPU's part of a decode step."""
         if bs in self._graphs:
-            graph, logits, greedy = self._graphs[bs]
+            graph, logits, tokens = self._graphs[bs]
             graph.replay()
-            return logits, greedy
+            return logits, tokens
         # the CPU twin: same static buffers, no capture
         with get_global_ctx().forward_batch(self._batches[bs], self.attn_backend):
-            return self.step(self._batches[bs])
+            return self.step(self._batches[bs], self._static_sampling(bs))

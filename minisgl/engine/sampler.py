@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from minisgl.core import Batch
-from minisgl.kernel import sample_temperature
 from minisgl.kernel.torch_ops import inverse_cdf, row_cumsum
 from minisgl.utils import pack_to_device
 
@@ -43,20 +42,33 @@ def hash_uniform(
 
 @dataclass
 class SamplingArgs:
-    """One batch's sampling parameters, one row per request (device tensors). The tensors are only
-    built when some request samples (an all-greedy batch needs just the argmax)."""
+    """One batch's sampling parameters, one row per request (device tensors). Greedy rows and
+    plain temperature sampling are done inside the step (`in_step`: one kernel, which a CUDA
+    graph holds); top-k, top-p and min-p filter the probabilities after it (`filtered`). The
+    tensors are only built when some request samples (an all-greedy batch needs just the
+    argmax)."""
 
     all_greedy: bool
+    filtered: bool = False  # some row has top-k, top-p or min-p: sampled after the step
     any_greedy: bool = True
     num_logprobs: int = -1  # top logprobs to return per row (0: only the sampled token's), -1: none
     use_top_k_top_p: bool = False
     use_min_p: bool = False
-    temperatures: torch.Tensor | None = None  # float32, 1.0 for greedy rows
+    # float32; greedy rows: 0.0 when sampled in the step (its kernel's greedy mark), else 1.0
+    temperatures: torch.Tensor | None = None
     top_k: torch.Tensor | None = None  # int64, vocab size where disabled
     top_p: torch.Tensor | None = None  # float32
     min_p: torch.Tensor | None = None  # float32
     uniforms: torch.Tensor | None = None  # float32 in (0, 1): hash of (seed, new token's position)
     greedy: torch.Tensor | None = None  # bool
+
+    @property
+    def in_step(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(temperatures, uniforms) for the step's sampling kernel; None: all rows greedy."""
+        if self.all_greedy or self.filtered:
+            return None
+        assert self.temperatures is not None and self.uniforms is not None
+        return self.temperatures, self.uniforms
 
 
 @dataclass
@@ -82,20 +94,30 @@ class Sampler:
         sampling = [p for p, g in zip(params, greedy, strict=True) if not g]
         any_greedy = any(greedy)
         use_top_k_top_p = any(p.top_k > 0 or p.top_p < 1 for p in sampling)
+        use_min_p = any(p.min_p > 0 for p in sampling)
+        filtered = use_top_k_top_p or use_min_p
+        greedy_temperature = 1.0 if filtered else 0.0
         # the new token's position: prefix + extend length
         positions = np.add(batch.prefix_lens, batch.extend_lens)
+        temperatures = [
+            greedy_temperature if g else p.temperature for p, g in zip(params, greedy, strict=True)
+        ]
+        uniforms = hash_uniform([r.seed for r in batch.reqs], positions)
+        if not filtered:  # each copy here is host time in every step of a small sampled batch
+            floats = pack_to_device(
+                self.device, torch.float32, temperatures=temperatures, uniforms=uniforms
+            )
+            return SamplingArgs(all_greedy=False, num_logprobs=num_logprobs, **floats)
         floats = pack_to_device(
             self.device,
             torch.float32,
-            temperatures=[1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+            temperatures=temperatures,
             top_p=[p.top_p for p in params],
             min_p=[p.min_p for p in params],
-            uniforms=hash_uniform([r.seed for r in batch.reqs], positions),
+            uniforms=uniforms,
         )
-        # each copy and op here is host time in every step of a small sampled batch: the integer
-        # columns travel only when some row reads them
         ints: dict[str, torch.Tensor] = {}
-        if use_top_k_top_p or any_greedy:
+        if use_top_k_top_p or any_greedy:  # the integer columns travel only when read
             ints = pack_to_device(
                 self.device,
                 torch.int64,
@@ -104,25 +126,27 @@ class Sampler:
             )
         return SamplingArgs(
             all_greedy=False,
+            filtered=True,
             any_greedy=any_greedy,
             num_logprobs=num_logprobs,
             use_top_k_top_p=use_top_k_top_p,
-            use_min_p=any(p.min_p > 0 for p in sampling),
+            use_min_p=use_min_p,
             top_k=ints.get("top_k"),
             greedy=ints["greedy"].bool() if any_greedy else None,
             **floats,
         )
 
     def sample(
-        self, logits: torch.Tensor, greedy: torch.Tensor, args: SamplingArgs
+        self, logits: torch.Tensor, step_tokens: torch.Tensor, args: SamplingArgs
     ) -> SampleOutput:
-        """greedy: each row's argmax (int32), which the engine computes with the logits."""
-        if args.all_greedy:
-            tokens = greedy
-        else:
-            tokens = self._sample_stochastic(logits, args).to(torch.int32)
+        """step_tokens: the tokens the step sampled (int32), already in the token table: the
+        batch's tokens unless `args.filtered`, when they are each row's argmax and the rows that
+        sample are drawn here."""
+        tokens = step_tokens
+        if args.filtered:
+            tokens = self._sample_filtered(logits, args).to(torch.int32)
             if args.any_greedy:
-                tokens = torch.where(args.greedy, greedy, tokens)
+                tokens = torch.where(args.greedy, step_tokens, tokens)
         out = SampleOutput(tokens)
         if args.num_logprobs >= 0:
             logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -131,9 +155,7 @@ class Sampler:
             out.top_ids, out.top_logprobs = top.indices.to(torch.int32), top.values
         return out
 
-    def _sample_stochastic(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
-        if not (args.use_top_k_top_p or args.use_min_p):
-            return sample_temperature(logits, args.temperatures, args.uniforms)
+    def _sample_filtered(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
         probs = torch.softmax(logits.float() / args.temperatures[:, None], dim=-1)
         if args.use_top_k_top_p:
             probs = _top_k_top_p(probs, args.top_k, args.top_p)

@@ -142,12 +142,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _ops_for(x).silu_and_mul(x)
 
 
-def greedy_sample(
-    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor, counters: torch.Tensor
+def sample_tokens(
+    logits: torch.Tensor,
+    token_table: torch.Tensor,
+    entries: torch.Tensor,
+    counters: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each row's most likely token as [bs] int32, also written into the flattened token table at
-    entries. counters: int32 zeros, at least one per row, which the Triton kernel leaves zero."""
-    return _ops_for(logits).greedy_sample(logits, token_table, entries, counters)
+    """Each row's next token as [bs] int32, also written into the flattened token table at
+    entries: the most likely where temperatures is None or a row's temperature is 0, else a draw
+    from softmax(logits / temperature) driven by the row's uniform number in (0, 1). counters:
+    int32 zeros, at least one per row, which the Triton kernel leaves zero."""
+    return _ops_for(logits).sample_tokens(
+        logits, token_table, entries, counters, temperatures, uniforms
+    )
 
 
 def read_tables(
@@ -167,26 +176,18 @@ def read_tables(
     )
 
 
-def sample_temperature(
-    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
-) -> torch.Tensor:
-    """One token per row from softmax(logits / temperature), driven by the given uniforms."""
-    return _ops_for(logits).sample_temperature(logits, temperatures, uniforms)
-
-
 __all__ = [
     "DeviceWrites",
     "KVStore",
     "apply_rope_inplace",
     "fused_add_rmsnorm",
-    "greedy_sample",
     "indexing",
     "linear",
     "linear_split_k",
     "read_tables",
     "rmsnorm",
     "rmsnorm_linear",
-    "sample_temperature",
+    "sample_tokens",
     "silu_and_mul",
     "torch_ops",
 ]

@@ -145,12 +145,24 @@ def sample_temperature(
     return inverse_cdf(probs, uniforms).to(torch.int32)
 
 
-def greedy_sample(
-    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor, counters: torch.Tensor
+def sample_tokens(
+    logits: torch.Tensor,
+    token_table: torch.Tensor,
+    entries: torch.Tensor,
+    counters: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each row's most likely token (the first on a tie) as [bs] int32, also written into the
-    flattened token table at entries [bs]. counters: the Triton kernel's scratch, unused here."""
+    """Each row's next token as [bs] int32, also written into the flattened token table at
+    entries [bs]: the most likely (the first on a tie) where temperatures is None or a row's
+    temperature is 0, else sample_temperature's draw with the row's uniform number. counters:
+    the Triton kernel's scratch, unused here."""
     tokens = logits.argmax(dim=-1).to(torch.int32)
+    if temperatures is not None:
+        assert uniforms is not None
+        sampled = temperatures > 0
+        drawn = sample_temperature(logits, torch.where(sampled, temperatures, 1.0), uniforms)
+        tokens = torch.where(sampled, drawn, tokens)
     token_table.view(-1).scatter_(0, entries, tokens)
     return tokens
 

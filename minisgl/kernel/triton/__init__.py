@@ -8,7 +8,7 @@ from .extend_attention import extend_attention, extend_blocks
 from .gemv import Prologue, linear, use_gemv
 from .norm import fused_add_rmsnorm, rmsnorm
 from .rope import apply_rope_inplace
-from .sampling import greedy_sample, sample_temperature
+from .sampling import sample_tokens
 from .tables import read_tables
 
 __all__ = [
@@ -19,12 +19,11 @@ __all__ = [
     "extend_attention",
     "extend_blocks",
     "fused_add_rmsnorm",
-    "greedy_sample",
     "linear",
     "num_sms",
     "read_tables",
     "rmsnorm",
-    "sample_temperature",
+    "sample_tokens",
     "silu_and_mul",
     "use_gemv",
 ]

@@ -1,15 +1,18 @@
-"""Temperature sampling in two kernels, each row's logits read about once, split across programs:
+"""Each row's next token in one kernel: the most likely, or a draw from softmax(logits / T).
 
-    stage 1, program (row, chunk): the chunk's max m_c, its sum S_c of exp(x / T - m_c) and its
-             most likely token
-    stage 2, program (row): the chunks' sums rescaled to the row's max m give the row's sum S and
-             a running sum over chunks; the chunk where it reaches u * S is scanned for the first
-             token whose running sum of exp(x / T - m) reaches u * S
+    every program (row, chunk): the chunk's max and its first most likely token; for a sampled
+        row (T > 0) also S_c, the sum of exp(x / T - m_c) over the chunk (m_c: its max / T)
+    the row's last program to finish (a counter per row says which): the most likely token of
+        the row; for a sampled row, the chunks' sums rescaled to the row's max give the row's sum
+        S and a running sum over chunks, and the chunk where it reaches u * S is scanned for the
+        first token whose running sum of exp(x / T - m) reaches u * S
 
-which is inverse-CDF sampling from softmax(x / T) with the caller's uniform number u, the same
-rule as torch_ops.sample_temperature (it may differ only where u falls on a boundary between two
-tokens, as fp32 sums in another order can; if rounding keeps every sum below u * S, the most likely
-token is taken).
+which is inverse-CDF sampling with the caller's uniform number u, the same rule as
+torch_ops.sample_tokens (it may differ only where u falls on a boundary between two tokens, as
+fp32 sums in another order can; if rounding keeps every sum below u * S, the most likely token is
+taken). Each row's logits are read about once, split across programs (torch's argmax of one
+151,936-logit row takes ~9 us on an H200). One kernel for greedy and sampled rows alike lets a
+CUDA graph hold a sampled decode step whole; greedy rows skip the sums and the scan.
 """
 
 import torch
@@ -40,114 +43,91 @@ def _best_of_row(max_ptr, best_ptr, row, num_chunks, BLOCK_C: tl.constexpr):
     return chunk_max, tl.load(best_ptr + row * num_chunks + tl.argmax(chunk_max, 0))
 
 
-def _chunk_scratch(logits: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """(chunk length, chunks per row, each chunk's max and its first most likely token)."""
-    bs, vocab = logits.shape
-    chunk = min(_CHUNK, triton.next_power_of_2(vocab))
-    num_chunks = triton.cdiv(vocab, chunk)
-    chunk_max = torch.empty((bs, num_chunks), dtype=torch.float32, device=logits.device)
-    chunk_best = torch.empty((bs, num_chunks), dtype=torch.int32, device=logits.device)
-    return chunk, num_chunks, chunk_max, chunk_best
-
-
 @triton.jit
-def _chunk_stats_kernel(
-    logits_ptr, temperatures_ptr, max_ptr, sum_ptr, best_ptr, stride_row, vocab,
-    CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+def _draw(
+    logits_ptr, sum_ptr, row, num_chunks, stride_row, vocab, scaled_max, u, temperature, best,
+    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    wait_for_previous(USE_PDL)
-    row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    _, x = _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK)
-    x = x.to(tl.float32) / tl.load(temperatures_ptr + row)
-    m = tl.max(x, 0)
-    out = row * num_chunks + chunk
-    tl.store(max_ptr + out, m)
-    tl.store(sum_ptr + out, tl.sum(tl.exp(x - m), 0))
-    tl.store(best_ptr + out, chunk * CHUNK + tl.argmax(x, 0))
-
-
-@triton.jit
-def _sample_kernel(
-    logits_ptr, temperatures_ptr, uniforms_ptr, max_ptr, sum_ptr, best_ptr, out_ptr, stride_row,
-    vocab, num_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    wait_for_previous(USE_PDL)
-    row = tl.program_id(0)
+    """The sampled token of a row, from its chunks' maxima / T (scaled_max) and sums."""
     c = tl.arange(0, BLOCK_C)
-    chunk_max, best = _best_of_row(max_ptr, best_ptr, row, num_chunks, BLOCK_C)
-    m = tl.max(chunk_max, 0)
+    m = tl.max(scaled_max, 0)
     weights = tl.load(sum_ptr + row * num_chunks + c, mask=c < num_chunks, other=0.0)
-    weights *= tl.exp(chunk_max - m)
-    target = tl.load(uniforms_ptr + row) * tl.sum(weights, 0)
+    weights *= tl.exp(scaled_max - m)
+    target = u * tl.sum(weights, 0)
     after = tl.cumsum(weights, 0)  # running sum up to and including each chunk
     # no chunk reaching the target (rounding) scans the last one, which then fails over to best
     chunk = tl.min(tl.where((after >= target) & (c < num_chunks), c, num_chunks - 1), 0)
     before = tl.sum(tl.where(c < chunk, weights, 0.0), 0)
 
     offs, x = _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK)
-    in_row = offs < vocab
-    p = tl.exp(x.to(tl.float32) / tl.load(temperatures_ptr + row) - m)
-    reached = (before + tl.cumsum(p, 0) >= target) & in_row
+    p = tl.exp(x.to(tl.float32) / temperature - m)
+    reached = (before + tl.cumsum(p, 0) >= target) & (offs < vocab)
     token = tl.min(tl.where(reached, offs, vocab), 0)
-    tl.store(out_ptr + row, tl.where(token < vocab, token, best).to(tl.int32))
-
-
-def sample_temperature(
-    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
-) -> torch.Tensor:
-    """Sample one token per row of logits [bs, vocab] from softmax(logits / temperature), with
-    the uniform numbers given per row (in (0, 1)). Returns [bs] int32."""
-    bs, vocab = logits.shape
-    chunk, num_chunks, chunk_max, chunk_best = _chunk_scratch(logits)
-    chunk_sum = torch.empty_like(chunk_max)
-    _chunk_stats_kernel[(bs, num_chunks)](
-        logits, temperatures, chunk_max, chunk_sum, chunk_best, logits.stride(0), vocab,
-        CHUNK=chunk, num_warps=8, **pdl_args(logits.device),
-    )  # fmt: skip
-    out = torch.empty(bs, dtype=torch.int32, device=logits.device)
-    _sample_kernel[(bs,)](
-        logits, temperatures, uniforms, chunk_max, chunk_sum, chunk_best, out, logits.stride(0),
-        vocab, num_chunks, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=8,
-        **pdl_args(logits.device),
-    )  # fmt: skip
-    return out
+    return tl.where(token < vocab, token, best).to(tl.int32)
 
 
 @triton.jit
-def _greedy_kernel(
-    logits_ptr, max_ptr, best_ptr, counter_ptr, out_ptr, table_ptr, entries_ptr, stride_row,
-    vocab, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+def _sample_kernel(
+    logits_ptr, temperatures_ptr, uniforms_ptr, max_ptr, sum_ptr, best_ptr, counter_ptr, out_ptr,
+    table_ptr, entries_ptr, stride_row, vocab,
+    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, SAMPLED: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     # not `_`: Triton types a variable once, and `_` below is a float vector
     _ids, x = _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK)
     out = row * num_chunks + chunk
-    tl.store(max_ptr + out, tl.max(x, 0).to(tl.float32))
+    x_max = tl.max(x, 0).to(tl.float32)
+    tl.store(max_ptr + out, x_max)
     tl.store(best_ptr + out, chunk * CHUNK + tl.argmax(x, 0))  # the first of equal maxima
+    temperature = 0.0
+    if SAMPLED:
+        temperature = tl.load(temperatures_ptr + row)
+    if temperature > 0:  # x_max / T is the max of x / T: rounding keeps the order
+        tl.store(
+            sum_ptr + out, tl.sum(tl.exp(x.to(tl.float32) / temperature - x_max / temperature), 0)
+        )
     tl.debug_barrier()  # every thread's stores precede the count (released by the atomic)
     # the row's last program to finish reduces the chunks
     if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel") == num_chunks - 1:
         tl.store(counter_ptr + row, 0)
-        _, token = _best_of_row(max_ptr, best_ptr, row, num_chunks, BLOCK_C)
+        chunk_max, token = _best_of_row(max_ptr, best_ptr, row, num_chunks, BLOCK_C)
+        if temperature > 0:
+            token = _draw(
+                logits_ptr, sum_ptr, row, num_chunks, stride_row, vocab, chunk_max / temperature,
+                tl.load(uniforms_ptr + row), temperature, token, CHUNK, BLOCK_C,
+            )  # fmt: skip
         tl.store(out_ptr + row, token)
         tl.store(table_ptr + tl.load(entries_ptr + row), token)
 
 
-def greedy_sample(
-    logits: torch.Tensor, token_table: torch.Tensor, entries: torch.Tensor, counters: torch.Tensor
+def sample_tokens(
+    logits: torch.Tensor,
+    token_table: torch.Tensor,
+    entries: torch.Tensor,
+    counters: torch.Tensor,
+    temperatures: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same as torch_ops.greedy_sample, in one kernel in place of argmax, a cast and a scatter:
-    each row is split across programs (torch's argmax of one 151,936-logit row takes ~9 us on an
-    H200), and the last of them to finish reduces it. counters: int32 zeros, one per row (left
+    """Same as torch_ops.sample_tokens, in one kernel. counters: int32 zeros, one per row (left
     zero on return)."""
     bs, vocab = logits.shape
     assert counters.numel() >= bs and counters.dtype == torch.int32
-    chunk, num_chunks, chunk_max, chunk_best = _chunk_scratch(logits)
+    chunk = min(_CHUNK, triton.next_power_of_2(vocab))
+    num_chunks = triton.cdiv(vocab, chunk)
+    chunk_max, chunk_sum = (
+        torch.empty((bs, num_chunks), dtype=torch.float32, device=logits.device) for _ in range(2)
+    )
+    chunk_best = torch.empty((bs, num_chunks), dtype=torch.int32, device=logits.device)
     out = torch.empty(bs, dtype=torch.int32, device=logits.device)
-    _greedy_kernel[(bs, num_chunks)](
-        logits, chunk_max, chunk_best, counters, out, token_table, entries, logits.stride(0),
-        vocab, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=8,
+    sampled = temperatures is not None
+    # without temperatures the uniforms are never read: any float pointer stands in
+    temperatures = temperatures if sampled else chunk_max
+    uniforms = uniforms if uniforms is not None else chunk_max
+    _sample_kernel[(bs, num_chunks)](
+        logits, temperatures, uniforms, chunk_max, chunk_sum, chunk_best, counters, out,
+        token_table, entries, logits.stride(0), vocab,
+        CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), SAMPLED=sampled, num_warps=8,
         **pdl_args(logits.device),
     )  # fmt: skip
     return out
