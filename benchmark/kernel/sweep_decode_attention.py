@@ -5,8 +5,9 @@ longest-first order. It chose the tile for batches above PREFETCH_MAX_BATCH (RES
 session).
 
 `--offline-run N` instead times every N-th decode step of `bench.py`'s run (its batch sizes and
-contexts) with each number of programs per SM the split rule could aim at, and sums the steps:
-the rule's effect on the whole run, without the run's noise.
+contexts) with each number of programs per SM the split rule could aim at (and each `--tiles`
+launch), and sums the steps: the rule's effect on the whole run, without the run's noise.
+`--offline-launches N` reports the best of a small grid of launches per step.
 
     python benchmark/kernel/sweep_decode_attention.py            # bf16, batches 256 and 128
     python benchmark/kernel/sweep_decode_attention.py --offline-run 16
@@ -84,34 +85,42 @@ def offline_run_steps(every: int) -> list[list[int]]:
     return [contexts for contexts in steps if len(contexts) > PREFETCH_MAX_BATCH]
 
 
-def compare_split_rules(every: int, programs_per_sm: list[int]) -> None:
+def compare_split_rules(
+    every: int, programs_per_sm: list[int], tiles: list[DecodeLaunch | None]
+) -> None:
     """Decode attention's time over bench.py's run (all layers, the steps in between counted as
-    the one timed) for each number of programs per SM the split rule could aim at."""
+    the one timed) for each tile (None: the default launch) and each number of programs per SM
+    the split rule could aim at (None: the default rule), every step run the same way."""
     sms = num_sms(torch.device("cuda"))
-    totals = dict.fromkeys(["default", *programs_per_sm], 0.0)
+    rules = list(itertools.product(tiles, [None, *programs_per_sm]))
+    totals = dict.fromkeys(rules, 0.0)
     for contexts in offline_run_steps(every):
         bs = len(contexts)
         setup = Setup(contexts, 1, torch.bfloat16)
         q = torch.randn(bs, QO_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         batch = setup.batch(1)
         counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device="cuda")
-        splits = {"default": decode_num_splits(bs, KV_HEADS, sms)}
-        splits |= {n: max(1, min(32, triton.cdiv(n * sms, bs * KV_HEADS))) for n in programs_per_sm}
-        timed: dict[int, float] = {}
-        for split_count in sorted(set(splits.values())):
-            run = functools.partial(
-                decode_attention, q, *setup.kernel_args(batch), split_count, counters,
-                batch.longest_first,
-            )  # fmt: skip
-            timed[split_count] = do_bench_cudagraph(run) * 1e-3
-        for rule, split_count in splits.items():
-            totals[rule] += timed[split_count] * every * NUM_LAYERS
+        timed: dict[tuple[DecodeLaunch | None, int], float] = {}
+        for tile, per_sm in rules:
+            splits = decode_num_splits(bs, KV_HEADS, sms)
+            if per_sm is not None:
+                splits = max(1, min(32, triton.cdiv(per_sm * sms, bs * KV_HEADS)))
+            if (tile, splits) not in timed:
+                run = functools.partial(
+                    decode_attention, q, *setup.kernel_args(batch), splits, counters,
+                    batch.longest_first, tile,
+                )  # fmt: skip
+                timed[tile, splits] = do_bench_cudagraph(run) * 1e-3
+            totals[tile, per_sm] += timed[tile, splits] * every * NUM_LAYERS
         del setup
-    for rule, seconds in totals.items():
-        name = "the default rule" if rule == "default" else f"{rule} programs per SM"
+    default = totals[None, None]
+    for (tile, per_sm), seconds in sorted(totals.items(), key=lambda item: item[1]):
+        name = f"{tuple(tile) if tile else 'default tile'}, " + (
+            "the default split rule" if per_sm is None else f"{per_sm} programs per SM"
+        )
         print(
-            f"{name:>22}: {seconds:.3f} s of decode attention over the run, "
-            f"{totals['default'] / seconds:.3f}x the default's speed"
+            f"{name:>44}: {seconds:.3f} s of decode attention over the run, "
+            f"{default / seconds:.3f}x the default's speed"
         )
 
 
@@ -166,6 +175,10 @@ def main() -> None:
     )
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 3, 4, 6, 8, 12, 16])
     parser.add_argument(
+        "--tiles", nargs="+", default=[], metavar="BLOCK_N,WARPS,STAGES",
+        help="--offline-run: launches to try besides the default",
+    )  # fmt: skip
+    parser.add_argument(
         "--offline-launches", type=int, metavar="N", help="sweep launches on every N-th step"
     )
     args = parser.parse_args()
@@ -176,7 +189,8 @@ def main() -> None:
         compare_launches(args.offline_launches)
         return
     if args.offline_run:
-        compare_split_rules(args.offline_run, args.programs_per_sm)
+        tiles = [DecodeLaunch(*map(int, tile.split(","))) for tile in args.tiles]
+        compare_split_rules(args.offline_run, args.programs_per_sm, [None, *tiles])
         return
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
