@@ -314,8 +314,8 @@ def test_silu_and_mul_matches_reference(dtype):
 
 
 def sample_both(logits: torch.Tensor, entries: torch.Tensor, *sampling: torch.Tensor):
-    """torch_ops' tokens and table, then the kernel's from twice (the counters it leaves zero
-    serve the second launch)."""
+    """torch_ops' tokens, checked against the kernel's tokens and table writes, twice: the
+    counters the first launch leaves zero serve the second."""
     tables = [torch.full((6, 8), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
     counters = torch.zeros(logits.shape[0], dtype=torch.int32, device=DEVICE)
     want = torch_ops.sample_tokens(logits, tables[0], entries, counters, *sampling)
@@ -337,7 +337,7 @@ def test_sampling_kernel_picks_the_reference_tokens(dtype):
     temperatures = torch.rand(rows, device=DEVICE) + 0.3
     temperatures[::3] = 0.0
     uniforms = torch.rand(rows, device=DEVICE).clamp(1e-3, 1 - 1e-3)
-    entries = torch.randperm(48, device=DEVICE)[:rows].int()
+    entries = torch.randperm(rows, device=DEVICE).int()  # the 6 x 8 table, shuffled
     tokens = sample_both(logits, entries, temperatures, uniforms)
     argmax = logits.argmax(dim=-1).int()
     assert torch.equal(tokens[::3], argmax[::3])

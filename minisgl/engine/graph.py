@@ -126,7 +126,7 @@ class GraphRunner:
         """The batch's logits and tokens (already written into the token table); sampling:
         (temperatures, uniforms), or None when every row is greedy."""
         bs = batch.size
-        if sampling is not None:
+        if sampling is not None:  # padding columns keep older values: their tokens are not kept
             torch.stack(sampling, out=self._sampling[:, :bs])
             self._sampling_is_zero = False
         elif not self._sampling_is_zero:
