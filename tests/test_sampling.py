@@ -36,7 +36,6 @@ def sample_many(probs: torch.Tensor, **params: float) -> torch.Tensor:
         uniforms=uniforms,
         greedy=torch.zeros(rows, dtype=torch.bool),
         all_greedy=False,
-        filtered=filtered,
         use_top_k_top_p="top_k" in params or "top_p" in params,
         use_min_p="min_p" in params,
         num_logprobs=-1,

@@ -49,8 +49,6 @@ class SamplingArgs:
     argmax)."""
 
     all_greedy: bool
-    filtered: bool = False  # some row has top-k, top-p or min-p: sampled after the step
-    any_greedy: bool = True
     num_logprobs: int = -1  # top logprobs to return per row (0: only the sampled token's), -1: none
     use_top_k_top_p: bool = False
     use_min_p: bool = False
@@ -60,7 +58,12 @@ class SamplingArgs:
     top_p: torch.Tensor | None = None  # float32
     min_p: torch.Tensor | None = None  # float32
     uniforms: torch.Tensor | None = None  # float32 in (0, 1): hash of (seed, new token's position)
-    greedy: torch.Tensor | None = None  # bool
+    greedy: torch.Tensor | None = None  # bool, when some rows of a filtered batch are greedy
+
+    @property
+    def filtered(self) -> bool:
+        """Some row has top-k, top-p or min-p: the batch is sampled after the step."""
+        return self.use_top_k_top_p or self.use_min_p
 
     @property
     def in_step(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -126,8 +129,6 @@ class Sampler:
             )
         return SamplingArgs(
             all_greedy=False,
-            filtered=True,
-            any_greedy=any_greedy,
             num_logprobs=num_logprobs,
             use_top_k_top_p=use_top_k_top_p,
             use_min_p=use_min_p,
@@ -145,7 +146,7 @@ class Sampler:
         tokens = step_tokens
         if args.filtered:
             tokens = self._sample_filtered(logits, args).to(torch.int32)
-            if args.any_greedy:
+            if args.greedy is not None:
                 tokens = torch.where(args.greedy, step_tokens, tokens)
         out = SampleOutput(tokens)
         if args.num_logprobs >= 0:
