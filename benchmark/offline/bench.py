@@ -11,10 +11,11 @@ ignore_eos, temperature 0.6 (nano-vllm's bench), on the Qwen3-0.6B shape with ra
 """
 
 import argparse
-import gc
+import multiprocessing
 import statistics
 import traceback
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from typing import Any
 
@@ -111,11 +112,12 @@ def run_hf(args: argparse.Namespace, workload: Workload, device: torch.device) -
     )
 
 
-def free_device_memory(device: torch.device) -> None:
-    """Return what HF's model and KV cache held, before our engine sizes its pool by free memory."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def run_hf_apart(args: argparse.Namespace, workload: Workload, device: torch.device) -> Row:
+    """run_hf in a process of its own, which has exited when this returns: our engine then sizes
+    its KV pool and runs with nothing of HF's left behind (memory, graph pools, threads)."""
+    spawn = multiprocessing.get_context("spawn")  # a forked child cannot use CUDA
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        return pool.submit(run_hf, args, workload, device).result()
 
 
 def run_minisgl(
@@ -232,11 +234,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # HF first: our engine keeps most of the GPU memory for its KV pool until the process ends
     if not args.skip_hf:
         try:
-            hf_row = run_hf(args, workload, device)
+            hf_row = run_hf_apart(args, workload, device)
         except Exception as e:  # a failed comparison must not cost the minisgl numbers of this run
             traceback.print_exc()
             hf_error = repr(e)
-        free_device_memory(device)
     llm, ours, prof = run_minisgl(args, workload, device)
     steps, preemptions = ours["steps"], llm.scheduler.stats.num_preemptions
     weight_bytes, kv_per_token = model_bytes(llm)
