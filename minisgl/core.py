@@ -150,13 +150,26 @@ class Req:
         return self.finish_reason is not None
 
 
+# the per-token and per-request inputs of a batch, by name (the table writes travel as
+# `<table>_write_entries` and `<table>_write_values`)
+INPUT_FIELDS = (
+    "positions", "token_entries", "page_entries", "slots", "seq_lens", "longest_first",
+    "cu_seqlens_q", "last_indices", "sample_entries",
+)  # fmt: skip
+HostColumn = Sequence[int] | np.ndarray
+
+
 @dataclass(eq=False)
 class Batch:
-    """The requests of one forward step and the device tensors that describe it.
+    """The requests of one forward step and the inputs that describe it.
 
     Host lists are snapshots taken when the step was scheduled (the requests move on afterwards):
     request i computes tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]), which are rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] of the step's token dimension.
+
+    The scheduler builds the inputs as int32 columns on the host (`host_inputs`); the engine puts
+    them on the device in one transfer, as the tensors below: `upload` for an eager forward, or a
+    copy straight into a CUDA graph's static inputs.
 
     A batch names its tokens by their entries in the device tables, not by value: the forward
     reads the ids and KV locations itself (`load_inputs`), so a step can be launched before the
@@ -167,26 +180,28 @@ class Batch:
     prefix_lens: list[int]
     extend_lens: list[int]
     sample_rows: list[int]  # rows whose sampled token is kept (a mid-prompt chunk samples nothing)
-    # per token, on the device (int32); entries index the flattened tables
-    positions: torch.Tensor
-    token_entries: torch.Tensor  # where its id is in the token table
-    page_entries: torch.Tensor  # where its KV location is in the page table
-    # per request, on the device (int32)
-    slots: torch.Tensor  # page-table row
-    seq_lens: torch.Tensor  # KV length after this step
-    longest_first: torch.Tensor  # the rows by seq_len, longest first (attention's launch order)
-    cu_seqlens_q: torch.Tensor  # [size + 1]
-    last_indices: torch.Tensor  # row of each request's last new token
-    sample_entries: torch.Tensor  # token-table entry its sampled token goes to (sink: not kept)
     is_decode: bool
-    # (flat entries, values) written into the tables before they are read
-    page_writes: DeviceWrites | None = None
-    token_writes: DeviceWrites | None = None
+    host_inputs: dict[str, HostColumn]  # by INPUT_FIELDS name, and the table writes
     all_logits: bool = False  # logits for every token instead of each request's last
-    attn_metadata: Any = None  # whatever else the attention backend needs, built once per batch
+    # on the device (int32), set by `set_device_inputs`; entries index the flattened tables
+    # per token:
+    positions: torch.Tensor = field(init=False)
+    token_entries: torch.Tensor = field(init=False)  # where its id is in the token table
+    page_entries: torch.Tensor = field(init=False)  # where its KV location is in the page table
+    # per request:
+    slots: torch.Tensor = field(init=False)  # page-table row
+    seq_lens: torch.Tensor = field(init=False)  # KV length after this step
+    longest_first: torch.Tensor = field(init=False)  # rows by seq_len, longest first
+    cu_seqlens_q: torch.Tensor = field(init=False)  # [size + 1]
+    last_indices: torch.Tensor = field(init=False)  # row of each request's last new token
+    sample_entries: torch.Tensor = field(init=False)  # token-table entry of its sampled token
+    # (flat entries, values) written into the tables before they are read
+    page_writes: DeviceWrites | None = field(init=False, default=None)
+    token_writes: DeviceWrites | None = field(init=False, default=None)
+    attn_metadata: Any = field(init=False, default=None)  # the attention backend's, per batch
     # per token, read from the tables by load_inputs at the start of the forward
-    input_ids: torch.Tensor | None = None
-    out_loc: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = field(init=False, default=None)
+    out_loc: torch.Tensor | None = field(init=False, default=None)
 
     @property
     def size(self) -> int:
@@ -194,7 +209,26 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
+        return len(self.host_inputs["positions"])
+
+    def num_writes(self, table: str) -> int:
+        """Entries the batch writes into the "page" or "token" table."""
+        return len(self.host_inputs.get(f"{table}_write_entries", ()))
+
+    def upload(self, device: torch.device) -> None:
+        """Put the inputs on the device in one transfer."""
+        self.set_device_inputs(pack_to_device(device, torch.int32, **self.host_inputs))
+
+    def set_device_inputs(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name in INPUT_FIELDS:
+            setattr(self, name, tensors[name])
+        self.page_writes = _device_writes(tensors, "page")
+        self.token_writes = _device_writes(tensors, "token")
+
+
+def _device_writes(tensors: dict[str, torch.Tensor], table: str) -> DeviceWrites | None:
+    entries = tensors.get(f"{table}_write_entries")
+    return None if entries is None else (entries, tensors[f"{table}_write_values"])
 
 
 def build_batch(
@@ -208,9 +242,9 @@ def build_batch(
     token_writes: TableWrites | None = None,
 ) -> Batch:
     """The batch computing tokens [prefix, prefix + extend) of each request (in its `slot` row),
-    built with one host-to-device transfer, together with the writes into the page table (pool
-    locations, from KVCacheManager.take_page_writes) and the token table (prompt ids, from
-    TokenTable.take_writes) that must land before the batch reads either table.
+    with the writes into the page table (pool locations, from KVCacheManager.take_page_writes)
+    and the token table (prompt ids, from TokenTable.take_writes) that must land before the
+    batch reads either table. Its inputs are on the host: the engine uploads them.
 
     A sampled token goes right after its request's computed ones; a request outside
     `sample_rows` (default: all) writes its token into the token table's last row, a sink."""
@@ -229,48 +263,27 @@ def build_batch(
     # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
     # gathers and scatters take as is (a 2-D int32 index would cost two conversion kernels each)
     assert max(token_table.numel(), page_table.numel()) < 2**31
-    written = {
-        name: table_writes
-        for name, table_writes in [("page", page_writes), ("token", token_writes)]
-        if table_writes is not None and len(table_writes[0])
+    host_inputs: dict[str, HostColumn] = {
+        "positions": positions,
+        "token_entries": token_slots * token_table.shape[1] + positions,
+        "page_entries": token_slots * page_table.shape[1] + positions,
+        "slots": slots,
+        "seq_lens": seq_lens,
+        "longest_first": np.argsort(-np.array(seq_lens), kind="stable"),
+        "cu_seqlens_q": cu_seqlens,
+        "last_indices": [end - 1 for end in cu_seqlens[1:]],
+        "sample_entries": sample_slots * token_table.shape[1] + np.array(seq_lens),
     }
-    write_columns = {
-        f"{name}_write_{part}": column
-        for name, table_writes in written.items()
-        for part, column in zip(("entries", "values"), table_writes, strict=True)
-    }
-    t = pack_to_device(
-        page_table.device,
-        torch.int32,
-        positions=positions,
-        token_entries=token_slots * token_table.shape[1] + positions,
-        page_entries=token_slots * page_table.shape[1] + positions,
-        slots=slots,
-        seq_lens=seq_lens,
-        longest_first=np.argsort(-np.array(seq_lens), kind="stable"),
-        sample_entries=sample_slots * token_table.shape[1] + np.array(seq_lens),
-        cu_seqlens_q=cu_seqlens,
-        last_indices=[end - 1 for end in cu_seqlens[1:]],
-        **write_columns,
-    )
-    writes = {name: (t[f"{name}_write_entries"], t[f"{name}_write_values"]) for name in written}
+    for table, writes in [("page", page_writes), ("token", token_writes)]:
+        if writes is not None and len(writes[0]):
+            host_inputs[f"{table}_write_entries"], host_inputs[f"{table}_write_values"] = writes
     return Batch(
         reqs=reqs,
         prefix_lens=prefix_lens,
         extend_lens=extend_lens,
         sample_rows=keep,
-        positions=t["positions"],
-        token_entries=t["token_entries"],
-        page_entries=t["page_entries"],
-        slots=t["slots"],
-        seq_lens=t["seq_lens"],
-        longest_first=t["longest_first"],
-        cu_seqlens_q=t["cu_seqlens_q"],
-        last_indices=t["last_indices"],
-        sample_entries=t["sample_entries"],
         is_decode=is_decode,
-        page_writes=writes.get("page"),
-        token_writes=writes.get("token"),
+        host_inputs=host_inputs,
     )
 
 

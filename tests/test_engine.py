@@ -3,9 +3,11 @@ all compute the same function as running one request at a time (and as Hugging F
 
 import random
 
+import numpy as np
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.core import Req, build_batch
 from minisgl.llm import default_chunk_size
 
 from .conftest import DEVICE, assert_same_or_near_tie, hf_greedy, hf_model
@@ -305,3 +307,37 @@ def test_repeated_seeded_requests_sample_the_same_tokens_with_graphs_and_overlap
         assert runs[1] == runs[0] and runs[2] == runs[0], options
         sampled[str(options)] = runs[0]
     assert len({tuple(tokens) for tokens in sampled.values()}) == 1, sampled
+
+
+def test_graph_runner_pads_what_a_smaller_batch_leaves_of_a_larger_ones_inputs(model_path) -> None:
+    """Two decode batches replay the same captured size (16): 12 requests with a page write
+    each, then 9 with 2 writes. The second must not inherit the first's inputs: its rows past 9
+    and its page writes past 2 are the padding's (the dummy slot, the dummy page's entry), else
+    the graph would recompute stale rows and re-point page-table entries of reused slots."""
+    llm = LLM(
+        str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=512, page_size=4,
+        cuda_graph_max_bs=16,
+    )  # fmt: skip
+    engine, runner = llm.engine, llm.engine.graph_runner
+    width = engine.page_table.shape[1]
+
+    def decode(size: int, num_writes: int) -> None:
+        reqs = [Req(i, [1], SamplingParams(), seed=0, slot=i) for i in range(size)]
+        writes = (np.arange(num_writes) * width + 8, np.arange(num_writes) + 8)
+        batch = build_batch(
+            reqs, [8] * size, [1] * size, engine.page_table, engine.token_table, None, writes
+        )
+        assert runner.can_run(batch)
+        runner.run(batch, None)
+        assert batch.slots.tolist() == list(range(size))  # the batch's own rows of the inputs
+
+    decode(12, 12)
+    decode(9, 2)
+    static = runner._batches[16]
+    dummy_entry = engine.dummy_slot * width
+    assert static.slots.tolist() == list(range(9)) + [engine.dummy_slot] * 7
+    assert static.positions.tolist() == [8] * 9 + [0] * 7
+    assert static.longest_first.tolist() == list(range(16))
+    entries, values = static.page_writes
+    assert entries.tolist() == [8, width + 8] + [dummy_entry] * 14
+    assert values.tolist() == [8, 9] + [engine.pool.dummy_loc] * 14

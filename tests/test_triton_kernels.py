@@ -81,6 +81,7 @@ class PagedKV:
         prefix_lens, extend_lens = prefix_lens + [0] * padding, extend_lens + [1] * padding
         tokens = torch.zeros_like(self.page_table)
         batch = build_batch(reqs, prefix_lens, extend_lens, self.page_table, tokens)
+        batch.upload(self.page_table.device)
         load_inputs(batch, self.page_table, tokens)
         return batch
 

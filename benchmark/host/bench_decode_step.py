@@ -1,6 +1,6 @@
 """Host time to schedule one decode step: reserve each request's next KV page, take its page-table
-write, build the batch (its one host-to-device copy; the forward applies the write and gathers
-the inputs) and its sampling arguments, as the scheduler does for every decode step. In the
+write, build the batch, upload it (one host-to-device copy; the forward applies the write and
+gathers the inputs) and build its sampling arguments, as every decode step does. In the
 fourth session this host work, not the GPU, set the step time of one request on an H200
 (benchmark/RESULTS.md), so it is timed here on its own, with no model.
 
@@ -48,6 +48,7 @@ def time_steps(
         assert kv.reserve_all([(req.slot, n + 1) for req, n in zip(reqs, lens, strict=True)])
         writes = kv.take_page_writes()
         batch = build_batch(reqs, lens, [1] * batch_size, page_table, token_table, None, writes)
+        batch.upload(device)  # what the engine does in an eager step; a graph copies likewise
         sampler.prepare(batch)
         seconds.append(time.perf_counter() - start)
         assert batch.is_decode and batch.num_tokens == batch_size

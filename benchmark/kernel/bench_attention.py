@@ -57,7 +57,9 @@ class Setup:
         reqs = [Req(i, [0], SamplingParams(), seed=0, slot=i) for i in range(self.bs)]
         prefix_lens = [n - extend_len for n in self.ctx_lens]
         tokens = torch.zeros_like(self.page_table)
-        return build_batch(reqs, prefix_lens, [extend_len] * self.bs, self.page_table, tokens)
+        batch = build_batch(reqs, prefix_lens, [extend_len] * self.bs, self.page_table, tokens)
+        batch.upload(self.page_table.device)
+        return batch
 
     def kernel_args(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         """The pool and per-request arguments both attention kernels take after q."""

@@ -166,6 +166,7 @@ class Engine:
     def forward_logits(self, batch: Batch) -> torch.Tensor:
         """Compute one batch; logits for each request's last token (every token if all_logits)."""
         self.attn_backend.prepare(batch)
+        batch.upload(self.device)
         with get_global_ctx().forward_batch(batch, self.attn_backend):
             load_inputs(batch, self.page_table, self.token_table)
             return self.model.forward()
@@ -178,6 +179,7 @@ class Engine:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits, step_tokens = self.graph_runner.run(batch, sampling)
         else:
+            batch.upload(self.device)
             with get_global_ctx().forward_batch(batch, self.attn_backend):
                 logits, step_tokens = self._step(batch, sampling)
         out = self.sampler.sample(logits, step_tokens, args)

@@ -10,11 +10,12 @@ CPU without capture, so CI checks the padding logic against the plain forward.
 import bisect
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from minisgl.attention import AttentionBackend
 from minisgl.core import Batch, get_global_ctx
-from minisgl.utils import init_logger
+from minisgl.utils import copy_to_device, init_logger
 
 logger = init_logger(__name__)
 
@@ -22,10 +23,11 @@ logger = init_logger(__name__)
 Sampling = tuple[torch.Tensor, torch.Tensor] | None
 StepFn = Callable[[Batch, Sampling], tuple[torch.Tensor, torch.Tensor]]
 
-# the Batch tensors with one entry per request in a decode, copied into the static rows
-_ROW_FIELDS = (
-    "token_entries", "positions", "page_entries", "slots", "seq_lens", "longest_first",
-    "sample_entries",
+# the inputs a decode batch has one entry of per request, then its page-table write (a decode
+# adds at most one page per request): the rows of a captured size's static input block
+_ROWS = (
+    "positions", "token_entries", "page_entries", "slots", "seq_lens", "longest_first",
+    "sample_entries", "page_write_entries", "page_write_values",
 )  # fmt: skip
 
 
@@ -51,41 +53,45 @@ class GraphRunner:
         self.attn_backend = attn_backend
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = max_bs
-        # the row fields, then a page-table write per row (a decode adds at most one page per
-        # request). Padding rows: any token at position 0 of the dummy slot, reading and
-        # rewriting the dummy page's entry, its sampled token going to the token table's sink
-        # row (the dummy slot's row there)
+        # Padding rows: any token at position 0 of the dummy slot, reading and rewriting the dummy
+        # page's entry, its sampled token going to the token table's sink row (the dummy slot's
+        # row there). A request without a page write of its own rewrites the dummy entry too.
         dummy_entry = dummy_slot * page_table_width
         padding_row = {  # longest_first: set per column below
-            "token_entries": 0, "positions": 0, "page_entries": dummy_entry, "slots": dummy_slot,
+            "positions": 0, "token_entries": 0, "page_entries": dummy_entry, "slots": dummy_slot,
             "seq_lens": 1, "longest_first": 0, "sample_entries": dummy_slot * token_table_width,
+            "page_write_entries": dummy_entry, "page_write_values": dummy_loc,
         }  # fmt: skip
-        values = [padding_row[field] for field in _ROW_FIELDS] + [dummy_entry, dummy_loc]
-        self._padding = torch.tensor(values, dtype=torch.int32, device=device)[:, None]
-        self._padding = self._padding.repeat(1, max_bs)
-        rows = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        padding = np.array([[padding_row[row]] for row in _ROWS], dtype=np.int32)
+        # each size's static inputs: a contiguous [rows, size] block, so that a batch's inputs
+        # arrive in one host-to-device copy straight into it. The host image starts as padding;
         # in the longest-first order padding rows (one token) come last, each as itself
-        self._padding[_ROW_FIELDS.index("longest_first")] = rows[:max_bs]
-        self._static = self._padding.clone()
+        self._images = {bs: padding.repeat(bs, axis=1) for bs in self.sizes}
+        for bs, image in self._images.items():
+            image[_ROWS.index("longest_first")] = np.arange(bs)
+        self._inputs = {
+            bs: torch.tensor(image, device=device) for bs, image in self._images.items()
+        }
         # each row's temperature (0: greedy) and uniform number, read by the step's sampling
         # kernel. Zero while every batch since the last zeroing was greedy: an all-greedy step
         # then writes nothing here
         self._sampling = torch.zeros((2, max_bs), dtype=torch.float32, device=device)
         self._sampling_is_zero = True
-        self._batches = {bs: self._static_batch(bs, rows) for bs in self.sizes}
+        self._rows = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self._batches = {bs: self._static_batch(bs) for bs in self.sizes}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         if device.type == "cuda":
             self._capture_all(device)
 
-    def _static_batch(self, bs: int, rows: torch.Tensor) -> Batch:
-        *fields, write_entries, write_values = self._static[:, :bs]
+    def _static_batch(self, bs: int) -> Batch:
         # no Req objects: layers only read the tensors; one new token per row in a decode
-        return Batch(
-            reqs=[], prefix_lens=[], extend_lens=[], sample_rows=[], is_decode=True,
-            cu_seqlens_q=rows[: bs + 1], last_indices=rows[:bs],
-            page_writes=(write_entries, write_values),
-            **dict(zip(_ROW_FIELDS, fields, strict=True)),
-        )  # fmt: skip
+        batch = Batch(
+            reqs=[], prefix_lens=[], extend_lens=[], sample_rows=[], is_decode=True, host_inputs={}
+        )
+        views = dict(zip(_ROWS, self._inputs[bs], strict=True))
+        views["cu_seqlens_q"], views["last_indices"] = self._rows[: bs + 1], self._rows[:bs]
+        batch.set_device_inputs(views)
+        return batch
 
     def _capture_all(self, device: torch.device) -> None:
         ctx = get_global_ctx()
@@ -111,20 +117,20 @@ class GraphRunner:
     def can_run(self, batch: Batch) -> bool:
         """A decode batch whose only table writes are at most one page entry per request (a
         request admitted with a one-token prompt, or readmitted, writes more: it runs eagerly)."""
-        num_page_writes = 0 if batch.page_writes is None else len(batch.page_writes[0])
         return (
             batch.is_decode
             and batch.size <= self.max_bs
-            and batch.token_writes is None
-            and num_page_writes <= batch.size
+            and batch.num_writes("token") == 0
+            and batch.num_writes("page") <= batch.size
         )
 
     def _static_sampling(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._sampling[0, :bs], self._sampling[1, :bs]
 
     def run(self, batch: Batch, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's logits and tokens (already written into the token table); sampling:
-        (temperatures, uniforms), or None when every row is greedy."""
+        """Upload the batch's inputs into the static ones and replay; returns its logits and
+        tokens (already written into the token table). sampling: (temperatures, uniforms), or
+        None when every row is greedy."""
         bs = batch.size
         if sampling is not None:  # padding columns keep older values: their tokens are not kept
             torch.stack(sampling, out=self._sampling[:, :bs])
@@ -133,21 +139,22 @@ class GraphRunner:
             self._sampling.zero_()
             self._sampling_is_zero = True
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        rows = [getattr(batch, f) for f in _ROW_FIELDS]
-        writes = [] if batch.page_writes is None else list(batch.page_writes)
-        num_writes = len(writes[0]) if writes else 0
-        if num_writes == bs:  # page size 1: every request writes one entry, in the same copy
-            rows += writes
-        torch.stack(rows, out=self._static[: len(rows), :bs])
-        if num_writes < bs:  # the rows without a write of their own rewrite the dummy entry
-            first_write_row = len(_ROW_FIELDS)
-            if num_writes > 0:
-                torch.stack(writes, out=self._static[first_write_row:, :num_writes])
-            self._static[first_write_row:, num_writes:bs] = self._padding[
-                first_write_row:, num_writes:bs
-            ]
-        if padded > bs:
-            self._static[:, bs:padded] = self._padding[:, bs:padded]
+        image = self._images[padded].copy()  # a fresh array: the last one may still be in flight
+        columns = batch.host_inputs
+        num_writes = batch.num_writes("page")
+        for i, row in enumerate(_ROWS):
+            if row in columns:
+                image[i, : num_writes if row.startswith("page_write") else bs] = columns[row]
+        copy_to_device(torch.from_numpy(image), self._inputs[padded])
+        # the batch's own rows of them, for what reads the batch after the step
+        views = {name: t[:bs] for name, t in zip(_ROWS, self._inputs[padded], strict=True)}
+        views["cu_seqlens_q"], views["last_indices"] = self._rows[: bs + 1], self._rows[:bs]
+        if num_writes == 0:
+            del views["page_write_entries"], views["page_write_values"]
+        else:
+            views["page_write_entries"] = views["page_write_entries"][:num_writes]
+            views["page_write_values"] = views["page_write_values"][:num_writes]
+        batch.set_device_inputs(views)
         logits, tokens = self.replay(padded)
         return logits[:bs], tokens[:bs]
 

@@ -3,6 +3,7 @@ from .logger import init_logger
 from .misc import div_ceil, div_even
 from .registry import Registry
 from .torch_utils import (
+    copy_to_device,
     pack_to_device,
     ragged_arange,
     repeat_each,
@@ -16,6 +17,7 @@ __all__ = [
     "DEFAULT_MODEL_PATH",
     "Registry",
     "cached_load_hf_config",
+    "copy_to_device",
     "div_ceil",
     "div_even",
     "init_logger",

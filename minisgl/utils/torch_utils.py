@@ -47,6 +47,13 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def copy_to_device(host: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy a freshly built host tensor into `out` without blocking the CPU (pinned staging)."""
+    if out.device.type == "cuda":
+        host = host.pin_memory()
+    out.copy_(host, non_blocking=True)
+
+
 # Host-side index math runs in numpy: on arrays of a few thousand ints, a numpy op costs a
 # fraction of a torch op's dispatch overhead, and it converts long lists of ints faster.
 _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
