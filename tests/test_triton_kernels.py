@@ -315,14 +315,25 @@ def test_silu_and_mul_matches_reference(dtype):
 
 
 def sample_both(logits: torch.Tensor, entries: torch.Tensor, *sampling: torch.Tensor):
-    """torch_ops' tokens, checked against the kernel's tokens and table writes, twice: the
-    counters the first launch leaves zero serve the second."""
+    """torch_ops' tokens, checked against the kernel's tokens and table writes (into the device
+    table and its pinned host copy), twice: the counters the first launch leaves zero serve the
+    second."""
     tables = [torch.full((6, 8), -1, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    pinned = DEVICE == "cuda"
+    host_tables = [torch.full((6, 8), -1, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
     counters = torch.zeros(logits.shape[0], dtype=torch.int32, device=DEVICE)
-    want = torch_ops.sample_tokens(logits, tables[0], entries, counters, *sampling)
+    want = torch_ops.sample_tokens(
+        logits, tables[0], entries, counters, *sampling, host_table=host_tables[0]
+    )
+    assert torch.equal(host_tables[0], tables[0].cpu())
     for _ in range(2):
-        got = triton_ops.sample_tokens(logits, tables[1], entries, counters, *sampling)
+        got = triton_ops.sample_tokens(
+            logits, tables[1], entries, counters, *sampling, host_table=host_tables[1]
+        )
         assert torch.equal(got, want) and torch.equal(tables[1], tables[0])
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(host_tables[1], host_tables[0])
         assert not counters.any()
     return want
 

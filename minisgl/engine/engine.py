@@ -11,6 +11,7 @@ import functools
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,16 +32,22 @@ logger = init_logger(__name__)
 
 @dataclass
 class ForwardOutput:
-    """Sampled tokens on the device (for the next step's inputs) and their host copy, which is
-    ready once `wait()` returns."""
+    """A launched step's sampled tokens, on the host once `wait()` returns them: from copies made
+    after the step, or (when the tokens are the step's own, the common case) from the host token
+    table, at the entries the step's sampling kernel wrote."""
 
-    device: SampleOutput
-    host: SampleOutput
     done: torch.cuda.Event | None
+    copies: SampleOutput | None = None
+    host_entries: np.ndarray | None = None  # into the flattened host token table
+    host_table: np.ndarray | None = None
 
-    def wait(self) -> None:
+    def wait(self) -> SampleOutput:
         if self.done is not None:
             self.done.synchronize()
+        if self.copies is not None:
+            return self.copies
+        assert self.host_table is not None and self.host_entries is not None
+        return SampleOutput(torch.from_numpy(self.host_table[self.host_entries]))
 
 
 class Engine:
@@ -92,6 +99,13 @@ class Engine:
             dtype=torch.int32,
             device=self.device,
         )
+        # its copy in pinned host memory, for the sampled tokens only: the sampling kernel writes
+        # each one into both, and the host reads it here. A copy to the host after each step
+        # held the next step back ~10 us on an H200 (benchmark/RESULTS.md)
+        self.host_token_table = torch.zeros(
+            self.token_table.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda"
+        )
+        self._host_tokens = self.host_token_table.numpy().reshape(-1)  # a view, for reads
 
         backend = config.attention_backend
         if backend == "auto":
@@ -103,7 +117,12 @@ class Engine:
         )
         # not a bound method: the graph runner holds it, and must not keep the engine alive
         self._step = functools.partial(
-            _forward_step, self.model, self.page_table, self.token_table, sample_counters
+            _forward_step,
+            self.model,
+            self.page_table,
+            self.token_table,
+            self.host_token_table,
+            sample_counters,
         )
 
         max_bs = config.cuda_graph_max_bs
@@ -185,18 +204,24 @@ class Engine:
         out = self.sampler.sample(logits, step_tokens, args)
         if args.filtered:  # the tokens drawn after the step replace the ones it wrote
             self.token_table.view(-1).scatter_(0, batch.sample_entries, out.tokens)
-        host = SampleOutput(*(None if t is None else _to_host(t) for t in vars(out).values()))
+        copies = None
+        if args.filtered or args.num_logprobs >= 0:
+            copies = SampleOutput(*(None if t is None else _to_host(t) for t in vars(out).values()))
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return ForwardOutput(out, host, done)
+        if copies is not None:
+            return ForwardOutput(done, copies)
+        entries = np.asarray(batch.host_inputs["sample_entries"])
+        return ForwardOutput(done, host_entries=entries, host_table=self._host_tokens)
 
 
 def _forward_step(
     model: CausalLM,
     page_table: torch.Tensor,
     token_table: torch.Tensor,
+    host_token_table: torch.Tensor,
     sample_counters: torch.Tensor,
     batch: Batch,
     sampling: tuple[torch.Tensor, torch.Tensor] | None,
@@ -208,8 +233,9 @@ def _forward_step(
     logits = model.forward()
     temperatures, uniforms = sampling if sampling is not None else (None, None)
     tokens = sample_tokens(
-        logits, token_table, batch.sample_entries, sample_counters, temperatures, uniforms
-    )
+        logits, token_table, batch.sample_entries, sample_counters, temperatures, uniforms,
+        host_token_table,
+    )  # fmt: skip
     return logits, tokens
 
 

@@ -149,13 +149,17 @@ def sample_tokens(
     counters: torch.Tensor,
     temperatures: torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
+    host_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's next token as [bs] int32, also written into the flattened token table at
-    entries: the most likely where temperatures is None or a row's temperature is 0, else a draw
-    from softmax(logits / temperature) driven by the row's uniform number in (0, 1). counters:
-    int32 zeros, at least one per row, which the Triton kernel leaves zero."""
-    return _ops_for(logits).sample_tokens(
-        logits, token_table, entries, counters, temperatures, uniforms
+    entries (and into host_table, a pinned host copy of the table, when given): the most likely
+    where temperatures is None or a row's temperature is 0, else a draw from
+    softmax(logits / temperature) driven by the row's uniform number in (0, 1). counters: int32
+    zeros, at least one per row, which the Triton kernel leaves zero. On a GPU the kernel serves
+    every dtype: its argmax is exact, and only it can write host memory inside a CUDA graph."""
+    ops = _fast_ops() if logits.is_cuda else torch_ops
+    return ops.sample_tokens(
+        logits, token_table, entries, counters, temperatures, uniforms, host_table
     )
 
 

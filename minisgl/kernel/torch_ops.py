@@ -152,11 +152,13 @@ def sample_tokens(
     counters: torch.Tensor,
     temperatures: torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
+    host_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row's next token as [bs] int32, also written into the flattened token table at
-    entries [bs]: the most likely (the first on a tie) where temperatures is None or a row's
-    temperature is 0, else sample_temperature's draw with the row's uniform number. counters:
-    the Triton kernel's scratch, unused here."""
+    entries [bs] (and into host_table, the table's copy on the host, when given): the most likely
+    (the first on a tie) where temperatures is None or a row's temperature is 0, else
+    sample_temperature's draw with the row's uniform number. counters: the Triton kernel's
+    scratch, unused here."""
     tokens = logits.argmax(dim=-1).to(torch.int32)
     if temperatures is not None:
         assert uniforms is not None
@@ -164,6 +166,9 @@ def sample_tokens(
         drawn = sample_temperature(logits, torch.where(sampled, temperatures, 1.0), uniforms)
         tokens = torch.where(sampled, drawn, tokens)
     token_table.view(-1).scatter_(0, entries, tokens)
+    if host_table is not None:
+        host = host_table.device
+        host_table.view(-1).scatter_(0, entries.to(host), tokens.to(host))
     return tokens
 
 

@@ -129,8 +129,7 @@ class Scheduler:
         return self._process(finished_step) if finished_step else []
 
     def _process(self, step: _InFlight) -> list[ReqOutput]:
-        step.output.wait()
-        host = step.output.host
+        host = step.output.wait()
         tokens = host.tokens.tolist()
         outputs = []
         for i in step.batch.sample_rows:

@@ -69,8 +69,9 @@ def _draw(
 @triton.jit
 def _sample_kernel(
     logits_ptr, temperatures_ptr, uniforms_ptr, max_ptr, sum_ptr, best_ptr, counter_ptr, out_ptr,
-    table_ptr, entries_ptr, stride_row, vocab,
-    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, SAMPLED: tl.constexpr, USE_PDL: tl.constexpr,
+    table_ptr, host_table_ptr, entries_ptr, stride_row, vocab,
+    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, SAMPLED: tl.constexpr, HOST_COPY: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_previous(USE_PDL)
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
@@ -98,7 +99,10 @@ def _sample_kernel(
                 tl.load(uniforms_ptr + row), temperature, token, CHUNK, BLOCK_C,
             )  # fmt: skip
         tl.store(out_ptr + row, token)
-        tl.store(table_ptr + tl.load(entries_ptr + row), token)
+        entry = tl.load(entries_ptr + row)
+        tl.store(table_ptr + entry, token)
+        if HOST_COPY:  # pinned host memory, written over the bus: no copy op after the step
+            tl.store(host_table_ptr + entry, token)
 
 
 def sample_tokens(
@@ -108,9 +112,10 @@ def sample_tokens(
     counters: torch.Tensor,
     temperatures: torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
+    host_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same as torch_ops.sample_tokens, in one kernel. counters: int32 zeros, one per row (left
-    zero on return)."""
+    zero on return); host_table: in pinned memory, which the GPU writes directly."""
     bs, vocab = logits.shape
     assert counters.numel() >= bs and counters.dtype == torch.int32
     chunk = min(_CHUNK, triton.next_power_of_2(vocab))
@@ -126,8 +131,9 @@ def sample_tokens(
     uniforms = uniforms if uniforms is not None else chunk_max
     _sample_kernel[(bs, num_chunks)](
         logits, temperatures, uniforms, chunk_max, chunk_sum, chunk_best, counters, out,
-        token_table, entries, logits.stride(0), vocab,
-        CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), SAMPLED=sampled, num_warps=8,
-        **pdl_args(logits.device),
+        token_table, token_table if host_table is None else host_table, entries,
+        logits.stride(0), vocab,
+        CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), SAMPLED=sampled,
+        HOST_COPY=host_table is not None, num_warps=8, **pdl_args(logits.device),
     )  # fmt: skip
     return out
