@@ -11,6 +11,7 @@ ignore_eos, temperature 0.6 (nano-vllm's bench), on the Qwen3-0.6B shape with ra
 """
 
 import argparse
+import gc
 import multiprocessing
 import statistics
 import traceback
@@ -112,9 +113,15 @@ def run_hf(args: argparse.Namespace, workload: Workload, device: torch.device) -
     )
 
 
+def free_device_memory(device: torch.device) -> None:
+    gc.collect()  # the engine's reference cycles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def run_hf_apart(args: argparse.Namespace, workload: Workload, device: torch.device) -> Row:
-    """run_hf in a process of its own, which has exited when this returns: our engine then sizes
-    its KV pool and runs with nothing of HF's left behind (memory, graph pools, threads)."""
+    """run_hf in a process of its own, which has exited when this returns: nothing of HF's
+    (memory, graph pools, threads) stays behind in ours."""
     spawn = multiprocessing.get_context("spawn")  # a forked child cannot use CUDA
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
         return pool.submit(run_hf, args, workload, device).result()
@@ -229,18 +236,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab_size)
     bandwidth = measure_bandwidth(device)
 
+    llm, ours, prof = run_minisgl(args, workload, device)
+    steps, preemptions = ours["steps"], llm.scheduler.stats.num_preemptions
+    weight_bytes, kv_per_token = model_bytes(llm)
+    pool_tokens = llm.engine.num_pages * llm.engine.page_size
     hf_row: Row | None = None
     hf_error = None
-    # HF first: our engine keeps most of the GPU memory for its KV pool until the process ends
+    # ours first, each on a GPU that has been idle: ours after HF's three minutes ran 1-2 % slower
+    # than alone (benchmark/RESULTS.md, 2026-11-30, thirteenth session)
     if not args.skip_hf:
+        del llm  # the KV pool and graphs go back before HF sizes its cache by free memory
+        free_device_memory(device)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            print(f"device memory free for HF: {free / 2**30:,.1f} of {total / 2**30:,.1f} GiB")
         try:
             hf_row = run_hf_apart(args, workload, device)
         except Exception as e:  # a failed comparison must not cost the minisgl numbers of this run
             traceback.print_exc()
             hf_error = repr(e)
-    llm, ours, prof = run_minisgl(args, workload, device)
-    steps, preemptions = ours["steps"], llm.scheduler.stats.num_preemptions
-    weight_bytes, kv_per_token = model_bytes(llm)
     floor = floor_row(
         f"floor @ {bandwidth / 1e9:,.0f} GB/s", workload, weight_bytes, kv_per_token, bandwidth
     )
@@ -252,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"\n{len(workload.prompts)} requests, {workload.prompt_tokens:,} prompt + "
         f"{workload.output_tokens:,} output tokens; weights {weight_bytes / 1e6:,.1f} MB, "
         f"KV {kv_per_token / 1024:,.1f} KiB/token; device copy {bandwidth / 1e9:,.0f} GB/s; "
-        f"KV pool {llm.engine.num_pages * llm.engine.page_size:,} tokens, {preemptions} preemptions"
+        f"KV pool {pool_tokens:,} tokens, {preemptions} preemptions"
     )
     print_table(rows)
     goal = GOAL_SHARE * floor["output_tok_s"]
