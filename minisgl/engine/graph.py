@@ -88,10 +88,20 @@ class GraphRunner:
         batch = Batch(
             reqs=[], prefix_lens=[], extend_lens=[], sample_rows=[], is_decode=True, host_inputs={}
         )
-        views = dict(zip(_ROWS, self._inputs[bs], strict=True))
-        views["cu_seqlens_q"], views["last_indices"] = self._rows[: bs + 1], self._rows[:bs]
-        batch.set_device_inputs(views)
+        batch.set_device_inputs(self._views(bs, bs, bs))
         return batch
+
+    def _views(self, padded: int, rows: int, num_writes: int) -> dict[str, torch.Tensor]:
+        """By input name, the first `rows` columns of size `padded`'s static inputs, of which the
+        first `num_writes` page writes."""
+        views = {name: t[:rows] for name, t in zip(_ROWS, self._inputs[padded], strict=True)}
+        views["cu_seqlens_q"], views["last_indices"] = self._rows[: rows + 1], self._rows[:rows]
+        for name in ("page_write_entries", "page_write_values"):
+            if num_writes > 0:
+                views[name] = views[name][:num_writes]
+            else:
+                del views[name]
+        return views
 
     def _capture_all(self, device: torch.device) -> None:
         ctx = get_global_ctx()
@@ -146,15 +156,8 @@ class GraphRunner:
             if row in columns:
                 image[i, : num_writes if row.startswith("page_write") else bs] = columns[row]
         copy_to_device(torch.from_numpy(image), self._inputs[padded])
-        # the batch's own rows of them, for what reads the batch after the step
-        views = {name: t[:bs] for name, t in zip(_ROWS, self._inputs[padded], strict=True)}
-        views["cu_seqlens_q"], views["last_indices"] = self._rows[: bs + 1], self._rows[:bs]
-        if num_writes == 0:
-            del views["page_write_entries"], views["page_write_values"]
-        else:
-            views["page_write_entries"] = views["page_write_entries"][:num_writes]
-            views["page_write_values"] = views["page_write_values"][:num_writes]
-        batch.set_device_inputs(views)
+        # the batch's own part of them, for what reads the batch after the step
+        batch.set_device_inputs(self._views(padded, bs, num_writes))
         logits, tokens = self.replay(padded)
         return logits[:bs], tokens[:bs]
 
