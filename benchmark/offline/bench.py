@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pool_tokens = llm.engine.num_pages * llm.engine.page_size
     hf_row: Row | None = None
     hf_error = None
-    # ours first, each on a GPU that has been idle: ours after HF's three minutes ran 1-2 % slower
-    # than alone (benchmark/RESULTS.md, 2026-11-30, thirteenth session)
+    # ours first: in both runs where ours followed HF's three minutes, it was the slowest of its
+    # session (cause not found: benchmark/RESULTS.md, 2026-11-30, thirteenth session)
     if not args.skip_hf:
         del llm  # the KV pool and graphs go back before HF sizes its cache by free memory
         free_device_memory(device)
