@@ -4,7 +4,8 @@ It computes a batch and returns sampled tokens; it never changes a request. It a
 device tables a batch reads, the page table and the token table, but their entries are decided
 by the scheduler (its KV cache manager and token table) and written with each batch, except the
 page table's dummy row set up here. The one thing a step writes back is each sampled token, into
-the token-table entry the batch names: that is how the next step reads it without the host.
+the token-table entry the batch names: that is how the next step reads it without the host. The
+same entry of the table's pinned host copy is where the host reads it.
 """
 
 import functools

@@ -1,5 +1,7 @@
 """Op dispatch: a Triton kernel for CUDA fp16/bf16 tensors when triton is installed, else the
-PyTorch reference. fp32 always takes the reference: it is what the tests compare with Hugging Face.
+PyTorch reference. fp32 takes the reference, which the tests compare with Hugging Face, except for
+two ops that run their kernel on any CUDA tensor: the table reads and writes (exact either way)
+and sampling (an exact argmax; only the kernel writes the host's token table inside a graph).
 
 `minisgl.kernel.triton` exposes the same functions with the same semantics as `torch_ops`; it is
 imported on first use only, so CPU-only installs never import triton.

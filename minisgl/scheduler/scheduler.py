@@ -4,8 +4,8 @@ One step (`step()`):
     schedule  -> pick decodes, prefill chunks and new requests under the token budget,
                  reserve their KV pages (preempting the newest request when pages run out),
                  advance their lengths, and build the batch's inputs (on the host)
-    launch    -> engine.forward(batch), which uploads them and writes the sampled ids into the token table on the
-                 device, where the next step reads them
+    launch    -> engine.forward(batch), which uploads them and writes the sampled ids into the
+                 token table on the device, where the next step reads them
     process   -> read the sampled ids on the host, check stop rules, finish requests
 
 With overlap on, step k+1 is scheduled and launched before step k's results are processed, so
