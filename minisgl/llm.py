@@ -1,6 +1,7 @@
 """The offline API: `LLM(model).generate(prompts, sampling_params)`, everything in this process."""
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,24 +114,32 @@ class LLM:
         rids = [next(self._rids) for _ in ids]
         detoks = {}
         results: dict[int, dict[str, Any]] = {}
+        arrival = time.perf_counter()
         for rid, prompt_ids, p in zip(rids, ids, params, strict=True):
             self.scheduler.add_request(rid, prompt_ids, p)
             detoks[rid] = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
-            results[rid] = {"text": "", "token_ids": [], "finish_reason": None}
+            metrics = {"arrival_time": arrival, "first_token_time": None, "finished_time": None}
+            results[rid] = {"text": "", "token_ids": [], "finish_reason": None, "metrics": metrics}
             if p.logprobs is not None:
                 results[rid]["logprobs"] = []
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
             while self.scheduler.has_work:
-                for out in self.scheduler.step():
+                outputs = self.scheduler.step()
+                now = time.perf_counter()  # when this step's tokens reached the host
+                for out in outputs:
                     if out.rid in results:
-                        self._apply(results[out.rid], detoks[out.rid], out)
+                        self._apply(results[out.rid], detoks[out.rid], out, now)
                         bar.update(out.finish_reason is not None)
         return [results[rid] for rid in rids]
 
     @staticmethod
-    def _apply(result: dict[str, Any], detok: IncrementalDetokenizer, out: ReqOutput) -> None:
+    def _apply(
+        result: dict[str, Any], detok: IncrementalDetokenizer, out: ReqOutput, now: float
+    ) -> None:
         if out.token_id is not None:
             result["token_ids"].append(out.token_id)
+            if result["metrics"]["first_token_time"] is None:
+                result["metrics"]["first_token_time"] = now
         if out.logprob is not None:
             logprob, top = out.logprob
             result["logprobs"].append(
@@ -141,6 +150,7 @@ class LLM:
                 }
             )
         if out.finish_reason is not None:
+            result["metrics"]["finished_time"] = now
             # offline, the text is decoded once at the end (the same detokenizer as streaming)
             stop_token = isinstance(out.matched_stop, int)
             result["text"] = detok.step(result["token_ids"], finished=True, stop_token=stop_token)

@@ -341,3 +341,19 @@ def test_graph_runner_pads_what_a_smaller_batch_leaves_of_a_larger_ones_inputs(m
     entries, values = static.page_writes
     assert entries.tolist() == [8, width + 8] + [dummy_entry] * 14
     assert values.tolist() == [8, 9] + [engine.pool.dummy_loc] * 14
+
+
+def test_generate_reports_when_each_request_got_its_first_and_last_token(model_path) -> None:
+    """`metrics`: submission, first token and last token times, in that order; a one-token
+    request gets its only token in the step that finishes it."""
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=512)
+    lengths = [1, 8]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)
+    metrics = [out["metrics"] for out in outs]
+    assert metrics[0]["arrival_time"] == metrics[1]["arrival_time"]
+    for m in metrics:
+        assert m["arrival_time"] < m["first_token_time"] <= m["finished_time"]
+    assert metrics[0]["first_token_time"] == metrics[0]["finished_time"]
+    assert metrics[1]["first_token_time"] < metrics[1]["finished_time"]
+    assert [len(out["token_ids"]) for out in outs] == lengths

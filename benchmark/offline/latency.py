@@ -35,17 +35,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_engine_args(parser)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (medians)")
     return parser.parse_args(argv)
 
 
-def generate_seconds(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[int, float]:
-    """(tokens generated, wall seconds) of one greedy request that ignores EOS."""
+def generate_timed(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[int, float, float]:
+    """(tokens generated, seconds to the first token, seconds per later token) of one greedy
+    request that ignores EOS, from the times its tokens reached the host in that run."""
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens)
-    results, seconds = timed(
-        lambda: llm.generate([prompt], params, use_tqdm=False), llm.engine.device
-    )
-    return len(results[0]["token_ids"]), seconds
+    result = timed(lambda: llm.generate([prompt], params, use_tqdm=False), llm.engine.device)[0][0]
+    metrics, tokens = result["metrics"], len(result["token_ids"])
+    ttft = metrics["first_token_time"] - metrics["arrival_time"]
+    return tokens, ttft, (metrics["finished_time"] - metrics["first_token_time"]) / (tokens - 1)
 
 
 def gpu_step_seconds(llm: LLM, replays: int = 200) -> float | None:
@@ -68,21 +69,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = resolve_device(args.device)
     vocab_size = cached_load_hf_config(args.model).vocab_size
     # a fresh prompt for each run, so that no run finds an earlier one in the prefix cache
-    n = args.repeats
-    prompts = make_workload(1 + 2 * n, args.prompt_len, args.prompt_len, vocab_size).prompts
+    prompts = make_workload(1 + args.repeats, args.prompt_len, args.prompt_len, vocab_size).prompts
     bandwidth = measure_bandwidth(device)
     llm = build_llm(args, max_running_requests=1)
 
-    generate_seconds(llm, prompts[0], 16)  # warm-up
+    generate_timed(llm, prompts[0], 16)  # warm-up
     with triton_compiles() as compiles:
-        ttft = statistics.median(generate_seconds(llm, p, 1)[1] for p in prompts[1 : 1 + n])
-        runs = [generate_seconds(llm, p, args.output_len) for p in prompts[1 + n :]]
+        runs = [generate_timed(llm, p, args.output_len) for p in prompts[1:]]
     if compiles:
         print(f"Triton kernel builds inside the timed runs: {dict(compiles)}")
     output_tokens = runs[0][0]
-    total = statistics.median(seconds for _, seconds in runs)
-    # the first token costs what a one-token request costs; the rest is decode
-    decode_s = (total - ttft) / (output_tokens - 1)
+    # medians over the runs; decode is timed between the first token and the last, in each run
+    ttft = statistics.median(run[1] for run in runs)
+    decode_s = statistics.median(run[2] for run in runs)
     ours = {
         "system": "minisgl",
         "output_tokens": output_tokens,
