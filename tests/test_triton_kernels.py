@@ -106,9 +106,13 @@ def new_qkv(batch: Batch, qo_heads: int, kv_heads: int, dtype: torch.dtype):
     )
 
 
+@pytest.mark.parametrize("qo_heads", [4, 6, 2])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_extend_attention_matches_reference_over_prefix_and_new_tokens(page_size, dtype):
+def test_extend_attention_matches_reference_over_prefix_and_new_tokens(qo_heads, page_size, dtype):
+    """Two KV heads, each serving 2, 3 (a program's second pair half padding) or 1 query heads.
+    The first request's second q block and the last request see keys before their first row
+    (unmasked) and on the diagonal (masked)."""
     torch.manual_seed(0)
     # ragged: a prompt longer than one q block, a 1-token chunk after a prefix, mid-page prefixes
     prefix_lens, extend_lens = [0, 37, 5, 100], [70, 1, 20, 3]
@@ -116,7 +120,7 @@ def test_extend_attention_matches_reference_over_prefix_and_new_tokens(page_size
         [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)], page_size, 2, dtype
     )
     batch = kv.batch(prefix_lens, extend_lens)
-    qkv = new_qkv(batch, 4, 2, dtype)
+    qkv = new_qkv(batch, qo_heads, 2, dtype)
     want = attend(kv.backend("torch"), batch, qkv)
     got = attend(kv.backend("triton"), kv.batch(prefix_lens, extend_lens), qkv)
     assert_close(got, want, ATTENTION_TOL[dtype])

@@ -33,11 +33,13 @@ def attend_loaded(
     pos,  # [BLOCK_N] absolute key positions of this block
     in_range,  # [BLOCK_N] which of them exist
     qk_scale,  # softmax scale * log2(e): the kernels use exp2
+    MASKED: tl.constexpr,  # False: every row sees every key of the block (no select needed)
 ):
     # ieee only changes fp32 inputs (no TF32, so fp32 matches the reference); fp16/bf16 ignore it
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
-    scores = tl.where(visible, scores, float("-inf"))
+    if MASKED:
+        visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
@@ -51,8 +53,14 @@ def attend_block(
     page_row_ptr,  # the request's page-table row: pool location of each position
     k_ptr,  # K cache already offset to the KV head
     v_ptr, stride_k_loc, stride_v_loc, d, d_mask, qk_scale,
+    MASKED: tl.constexpr,  # False: the whole block exists and every row sees it
 ):  # fmt: skip
     """attend_loaded on the block of keys at positions pos, read through the page table."""
-    locs = tl.load(page_row_ptr + pos, mask=in_range, other=0).to(tl.int64)
-    k, v = load_kv(locs, in_range, k_ptr, v_ptr, stride_k_loc, stride_v_loc, d, d_mask)
-    return attend_loaded(q, q_pos, m_i, l_i, acc, k, v, pos, in_range, qk_scale)
+    if MASKED:
+        locs = tl.load(page_row_ptr + pos, mask=in_range, other=0).to(tl.int64)
+        k, v = load_kv(locs, in_range, k_ptr, v_ptr, stride_k_loc, stride_v_loc, d, d_mask)
+    else:
+        locs = tl.load(page_row_ptr + pos).to(tl.int64)
+        k = tl.load(k_ptr + locs[:, None] * stride_k_loc + d[None, :], mask=d_mask[None, :])
+        v = tl.load(v_ptr + locs[:, None] * stride_v_loc + d[None, :], mask=d_mask[None, :])
+    return attend_loaded(q, q_pos, m_i, l_i, acc, k, v, pos, in_range, qk_scale, MASKED)

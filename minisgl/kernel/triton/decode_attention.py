@@ -170,14 +170,14 @@ def _split_kernel(
     rest = start
     if PREFETCH:
         m_i, l_i, acc = attend_loaded(
-            q, q_pos, m_i, l_i, acc, k_first, v_first, first_pos, first_in, qk_scale
+            q, q_pos, m_i, l_i, acc, k_first, v_first, first_pos, first_in, qk_scale, True
         )
         rest += BLOCK_N
     for block_start in range(rest, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = attend_block(
             q, q_pos, m_i, l_i, acc, pos, pos < end, page_row_ptr, k_head_ptr, v_head_ptr,
-            stride_k_loc, stride_v_loc, d, d_mask, qk_scale,
+            stride_k_loc, stride_v_loc, d, d_mask, qk_scale, True,
         )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only an unused split (stores nothing) has no keys

@@ -40,6 +40,7 @@ def _extend_kernel(
     stride_o_head,
     stride_pt_row,
     GROUP: tl.constexpr,
+    HEADS: tl.constexpr,  # query heads of one KV head per program (a power of two)
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -47,8 +48,9 @@ def _extend_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
-    block, head = tl.program_id(0), tl.program_id(1)
-    kv_head = head // GROUP
+    block, head_block = tl.program_id(0), tl.program_id(1)
+    programs_per_kv_head = tl.cdiv(GROUP, HEADS)
+    kv_head = head_block // programs_per_kv_head
     req = tl.load(block_req_ptr + block)
     first = tl.load(block_start_ptr + block)
     q_begin = tl.load(cu_seqlens_q_ptr + req)
@@ -56,31 +58,46 @@ def _extend_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     slot = tl.load(slots_ptr + req).to(tl.int64)
 
-    t = first + tl.arange(0, BLOCK_M)  # index among the request's new tokens
-    row_mask = t < extend_len
-    q_pos = seq_len - extend_len + t  # absolute position: sees keys up to and including it
+    # row r of the tile: new token first + r // HEADS, query head r % HEADS of the program's
+    # heads, so the heads sharing K/V read each block of it once
+    r = tl.arange(0, BLOCK_M * HEADS)
+    t = first + r // HEADS  # index among the request's new tokens
+    g = (head_block % programs_per_kv_head) * HEADS + r % HEADS  # head within the KV group
+    heads = kv_head * GROUP + g
+    row_mask = (t < extend_len) & (g < GROUP)
+    prefix_len = seq_len - extend_len
+    q_pos = prefix_len + t  # absolute position: sees keys up to and including it
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     rows = (q_begin + t).to(tl.int64)
-    q_ptrs = q_ptr + rows[:, None] * stride_q_tok + head * stride_q_head + d[None, :]
+    q_ptrs = q_ptr + rows[:, None] * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M * HEADS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M * HEADS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M * HEADS, BLOCK_D], dtype=tl.float32)
     page_row_ptr = page_table_ptr + slot * stride_pt_row
     k_head_ptr = k_ptr + kv_head * stride_k_head
     v_head_ptr = v_ptr + kv_head * stride_v_head
-    key_end = tl.minimum(seq_len, seq_len - extend_len + first + BLOCK_M)  # the block's last row
-    for block_start in range(0, key_end, BLOCK_N):
+    key_end = tl.minimum(seq_len, prefix_len + first + BLOCK_M)  # after the block's last row
+    # every row sees the keys up to its first row's position: no mask before that (the cached
+    # prefix and earlier blocks), the causal mask on the last key blocks only
+    unmasked_end = (prefix_len + first + 1) // BLOCK_N * BLOCK_N
+    for block_start in range(0, unmasked_end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         m_i, l_i, acc = attend_block(
             q, q_pos, m_i, l_i, acc, pos, pos < key_end, page_row_ptr, k_head_ptr, v_head_ptr,
-            stride_k_loc, stride_v_loc, d, d_mask, qk_scale,
+            stride_k_loc, stride_v_loc, d, d_mask, qk_scale, False,
+        )  # fmt: skip
+    for block_start in range(unmasked_end, key_end, BLOCK_N):
+        pos = block_start + tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = attend_block(
+            q, q_pos, m_i, l_i, acc, pos, pos < key_end, page_row_ptr, k_head_ptr, v_head_ptr,
+            stride_k_loc, stride_v_loc, d, d_mask, qk_scale, True,
         )  # fmt: skip
 
     out = acc / l_i[:, None]  # every row sees key 0, so l_i > 0
-    o_ptrs = o_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + d[None, :]
+    o_ptrs = o_ptr + rows[:, None] * stride_o_tok + heads[:, None] * stride_o_head + d[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
@@ -107,16 +124,22 @@ def extend_attention(
     slots, seq_lens: [bs] int32; block_req, block_start: the rows of `extend_blocks`.
     Returns [tokens, qo_heads, D]."""
     _, qo_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = qo_heads // kv_heads
+    # two query heads per program where a KV head serves two or more: tiles of 128 rows. On an
+    # H200 (bf16, a 16,384-token chunk of 100-1,024-token prompts, 16 / 8 heads): 216 us against
+    # 227 with one head per program and the mask on every key block; 224 with two heads and the
+    # mask everywhere. 4 warps and 3 stages were the best of 14 launches (RESULTS.md)
+    heads = min(triton.next_power_of_2(group), 2)
     out = torch.empty_like(q)
-    _extend_kernel[(block_req.shape[0], qo_heads)](
+    two_bytes = q.element_size() == 2  # fp32 tiles take twice the shared memory
+    _extend_kernel[(block_req.shape[0], kv_heads * triton.cdiv(group, heads))](
         q, k_cache, v_cache, out, page_table, slots, seq_lens, cu_seqlens_q, block_req,
         block_start, head_dim**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
-        GROUP=qo_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_M=EXTEND_BLOCK_M,
-        BLOCK_D=dot_block(head_dim),
-        BLOCK_N=64 if q.element_size() == 2 else 32,  # fp32 tiles take twice the shared memory
-        # a third stage: 148 against 160 us on a bf16 prefill chunk of 9,430 tokens (H200)
-        num_warps=4, num_stages=3 if q.element_size() == 2 else 2, **pdl_args(q.device),
+        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BLOCK_M=EXTEND_BLOCK_M,
+        BLOCK_D=dot_block(head_dim), BLOCK_N=64 if two_bytes else 32,
+        num_warps=4, num_stages=3 if two_bytes else 2, **pdl_args(q.device),
     )  # fmt: skip
     return out
