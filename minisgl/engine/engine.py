@@ -126,6 +126,9 @@ class Engine:
             sample_counters,
         )
 
+        if self.device.type == "cuda":
+            self._warm_up_lm_head(config.max_running_requests)
+
         max_bs = config.cuda_graph_max_bs
         if max_bs is None:
             max_bs = config.max_running_requests if self.device.type == "cuda" else 0
@@ -162,6 +165,19 @@ class Engine:
             rank=config.tp_rank,
             world_size=config.tp_size,
         )
+
+    def _warm_up_lm_head(self, max_rows: int) -> None:
+        """Run the LM head once at every row count a step can give it (one per sampled request).
+        cuBLAS picks its kernel by the row count, and the first call of a kernel new to the
+        process cost the host ~3 ms on an H200; in a prefill step, whose sampled rows vary from
+        step to step, it also held the host until the GPU had run out of work: 4.7-5.9 ms of
+        idle GPU before each prefill step of the offline benchmark (RESULTS.md). Paid here
+        instead, as vLLM warms its kernels up at startup."""
+        lm_head, norm = self.model.lm_head, self.model.model.norm
+        shape = (max_rows, self.model_config.hidden_size)
+        x, residual = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        for rows in range(1, max_rows + 1):
+            lm_head.logits(x[:rows], residual[:rows], norm)
 
     def _num_pages(self, free_before: int) -> int:
         c, mc = self.config, self.model_config

@@ -56,6 +56,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         if not batch.is_decode and not batch.all_logits:
             # x may be partial sums [splits, rows, N] (LinearRowParallel)
             x, residual = x[..., batch.last_indices, :], residual[batch.last_indices]
+        return self.logits(x, residual, norm)
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """Logits of norm(x + residual) for every row."""
         weight = self._tied_embedding.weight if self._tied_embedding is not None else self.weight
         logits, _ = rmsnorm_linear(x, residual, norm.weight, norm.eps, weight)
         if self._tp_size == 1:
