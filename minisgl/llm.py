@@ -108,15 +108,12 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(ids):
                 raise ValueError(f"{len(params)} sampling params for {len(ids)} prompts")
-        for prompt_ids, p in zip(ids, params, strict=True):
-            self.scheduler.validate(prompt_ids, p)
-
         rids = [next(self._rids) for _ in ids]
+        self.scheduler.add_requests(list(zip(rids, ids, params, strict=True)))
         detoks = {}
         results: dict[int, dict[str, Any]] = {}
         arrival = time.perf_counter()
         for rid, prompt_ids, p in zip(rids, ids, params, strict=True):
-            self.scheduler.add_request(rid, prompt_ids, p)
             detoks[rid] = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
             metrics = {"arrival_time": arrival, "first_token_time": None, "finished_time": None}
             results[rid] = {"text": "", "token_ids": [], "finish_reason": None, "metrics": metrics}

@@ -94,9 +94,20 @@ class Scheduler:
             raise ValueError("stop strings need a tokenizer")
 
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.validate(prompt_ids, params)
-        if rid in self._reqs:
-            raise ValueError(f"request id {rid} is already in use")
+        self.add_requests([(rid, prompt_ids, params)])
+
+    def add_requests(self, requests: list[tuple[int, list[int], SamplingParams]]) -> None:
+        """Add all the requests, or none: the first bad one raises ValueError before any is."""
+        rids = set()
+        for rid, prompt_ids, params in requests:
+            self.validate(prompt_ids, params)
+            if rid in self._reqs or rid in rids:
+                raise ValueError(f"request id {rid} is already in use")
+            rids.add(rid)
+        for rid, prompt_ids, params in requests:
+            self._enqueue(rid, prompt_ids, params)
+
+    def _enqueue(self, rid: int, prompt_ids: list[int], params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
         self._reqs[rid] = req
