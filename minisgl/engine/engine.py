@@ -168,11 +168,10 @@ class Engine:
 
     def _warm_up_lm_head(self, max_rows: int) -> None:
         """Run the LM head once at every row count a step can give it (one per sampled request).
-        cuBLAS picks its kernel by the row count, and the first call of a kernel new to the
-        process cost the host ~3 ms on an H200; in a prefill step, whose sampled rows vary from
-        step to step, it also held the host until the GPU had run out of work: 4.7-5.9 ms of
-        idle GPU before each prefill step of the offline benchmark (RESULTS.md). Paid here
-        instead, as vLLM warms its kernels up at startup."""
+        On an H200 a call at a row count new to the process cost the host ~3 ms, and in a
+        prefill step, whose sampled rows grow from step to step, such calls held the host until
+        the GPU had run out of work: 4.8-5.9 ms of idle GPU before most prefill steps of the
+        offline benchmark (RESULTS.md). Paid here instead, as vLLM warms its kernels up."""
         lm_head, norm = self.model.lm_head, self.model.model.norm
         shape = (max_rows, self.model_config.hidden_size)
         x, residual = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
