@@ -19,7 +19,7 @@ Prompt = str | list[int]
 
 
 def default_chunk_size(device: torch.device) -> int:
-    """Prefill tokens per step when none is given: 16,384 on a GPU of 70 GiB or more but an A100,
+    """Tokens per step when none is given: 16,384 on a GPU of 70 GiB or more but an A100,
     else 8,192 (vLLM's offline defaults; vLLM measured the larger one slower on an A100). A
     prefill step runs eagerly, and on an H200 launching its kernels takes the host about as long
     as the GPU takes for 8,192 tokens: twice the tokens per step halves the launches, and the

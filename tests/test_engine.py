@@ -119,6 +119,29 @@ def test_chunked_prefill_splits_prompts_into_steps(model_path, workload, referen
     assert llm.scheduler.stats.steps >= sum(len(p) for p in prompts) // 8
 
 
+def test_decode_tokens_count_in_the_step_budget(model_path, workload, reference) -> None:
+    """A step holds chunk_size tokens at most (more only when the decodes alone exceed it), and a
+    step that mixes decodes with prompt chunks fills the budget exactly."""
+    prompts, params = workload
+    chunk = 64
+    llm = LLM(
+        str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=16384, chunk_size=chunk
+    )
+    scheduler = llm.scheduler
+    for rid, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        scheduler.add_request(rid, prompt, sp)
+    full_mixed_steps = 0
+    while scheduler.has_work:
+        scheduler.step()
+        batch = scheduler._in_flight.batch if scheduler._in_flight else None
+        if batch is None:
+            continue
+        decodes = sum(1 for n in batch.extend_lens if n == 1)
+        assert batch.num_tokens <= max(chunk, decodes), (batch.num_tokens, decodes)
+        full_mixed_steps += 0 < decodes < batch.size and batch.num_tokens == chunk
+    assert full_mixed_steps > 0
+
+
 def test_shared_prefix_is_reused_and_outputs_unchanged(model_path) -> None:
     rng = random.Random(1)
     prefix = [rng.randrange(512) for _ in range(200)]

@@ -204,8 +204,10 @@ class Scheduler:
                     break
             else:
                 picked.append((req, 1))
-        # 2. prompts in progress, then new requests, within the prefill budget
-        budget = self.config.chunk_size
+        # 2. prompts in progress, then new requests, in what the decodes leave of the step's
+        # token budget (as vLLM's max_num_batched_tokens): a full step then always has
+        # chunk_size tokens, a shape its matmuls have met before (RESULTS.md, fourteenth session)
+        budget = max(self.config.chunk_size - len(picked), 0)
         for req in [r for r in self.running if r.is_prefilling]:
             if budget == 0:
                 break

@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-kv-tokens", "KV cache size in tokens (default: sized from free memory)", type=int
     )
     config_option(
-        "--chunk-size", "prefill tokens per step; longer prompts are prefilled in chunks", type=int
+        "--chunk-size",
+        "tokens per step, decodes first; longer prompts are prefilled in chunks",
+        type=int,
     )
     config_option("--cache", "prefix cache policy", choices=PREFIX_CACHES.names())
     config_option(
