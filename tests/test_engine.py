@@ -119,7 +119,7 @@ def test_chunked_prefill_splits_prompts_into_steps(model_path, workload, referen
     assert llm.scheduler.stats.steps >= sum(len(p) for p in prompts) // 8
 
 
-def test_decode_tokens_count_in_the_step_budget(model_path, workload, reference) -> None:
+def test_decode_tokens_count_in_the_step_budget(model_path, workload) -> None:
     """A step holds chunk_size tokens at most (more only when the decodes alone exceed it), and a
     step that mixes decodes with prompt chunks fills the budget exactly."""
     prompts, params = workload

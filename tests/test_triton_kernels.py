@@ -110,7 +110,7 @@ def new_qkv(batch: Batch, qo_heads: int, kv_heads: int, dtype: torch.dtype):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extend_attention_matches_reference_over_prefix_and_new_tokens(qo_heads, page_size, dtype):
-    """Two KV heads, each serving 2, 3 (a program's second pair half padding) or 1 query heads.
+    """Two KV heads, each serving 2, 3 (its second program of two heads half padding) or 1 query heads.
     The first request's second q block and the last request see keys before their first row
     (unmasked) and on the diagonal (masked)."""
     torch.manual_seed(0)

@@ -98,7 +98,7 @@ class Scheduler:
 
     def add_requests(self, requests: list[tuple[int, list[int], SamplingParams]]) -> None:
         """Add all the requests, or none: the first bad one raises ValueError before any is."""
-        rids = set()
+        rids: set[int] = set()
         for rid, prompt_ids, params in requests:
             self.validate(prompt_ids, params)
             if rid in self._reqs or rid in rids:
@@ -205,8 +205,8 @@ class Scheduler:
             else:
                 picked.append((req, 1))
         # 2. prompts in progress, then new requests, in what the decodes leave of the step's
-        # token budget (as vLLM's max_num_batched_tokens): a full step then always has
-        # chunk_size tokens, a shape its matmuls have met before (RESULTS.md, fourteenth session)
+        # token budget (as vLLM's max_num_batched_tokens): every full step has chunk_size tokens,
+        # so its matmuls meet one row count, not a new one per step (RESULTS.md, fourteenth session)
         budget = max(self.config.chunk_size - len(picked), 0)
         for req in [r for r in self.running if r.is_prefilling]:
             if budget == 0:
