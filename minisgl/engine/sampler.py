@@ -106,19 +106,12 @@ class Sampler:
             greedy_temperature if g else p.temperature for p, g in zip(params, greedy, strict=True)
         ]
         uniforms = hash_uniform([r.seed for r in batch.reqs], positions)
+        columns = {"temperatures": temperatures, "uniforms": uniforms}
+        if filtered:  # the filters' columns travel only when read
+            columns |= {"top_p": [p.top_p for p in params], "min_p": [p.min_p for p in params]}
+        floats = pack_to_device(self.device, torch.float32, **columns)
         if not filtered:  # each copy here is host time in every step of a small sampled batch
-            floats = pack_to_device(
-                self.device, torch.float32, temperatures=temperatures, uniforms=uniforms
-            )
             return SamplingArgs(all_greedy=False, num_logprobs=num_logprobs, **floats)
-        floats = pack_to_device(
-            self.device,
-            torch.float32,
-            temperatures=temperatures,
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-            uniforms=uniforms,
-        )
         ints: dict[str, torch.Tensor] = {}
         if use_top_k_top_p or any_greedy:  # the integer columns travel only when read
             ints = pack_to_device(
