@@ -150,9 +150,10 @@ def test_decode_attention_matches_reference_for_any_split_count(num_splits, page
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_matches_reference_with_and_without_prefetch(dtype):
     """Up to 16 requests each program reads its first key block before the PDL wait and the new
-    token's row after it; a larger batch reads everything after the wait (in 2-byte dtypes, in
-    blocks of 128 keys: here one or two splits, with partial blocks), its requests in the order
-    it is given. Both match, and a larger batch's result does not depend on that order."""
+    token's row after it; a larger batch reads everything after the wait, its requests in the
+    order it is given. From 2 requests up, in 2-byte dtypes, a block holds 128 keys (here one or
+    two splits, with partial blocks). Both match, and a larger batch's result does not depend on
+    that order."""
     torch.manual_seed(0)
     for seq_lens in ([1, 64, 65, 130], [1 + (37 * i) % 300 for i in range(17)]):
         kv = PagedKV(seq_lens, 1, 2, dtype)
@@ -194,8 +195,18 @@ def test_decode_runs_on_graph_static_metadata_with_padding_rows(dtype):
 
 
 def test_decode_splits_shrink_as_the_batch_grows():
-    splits = [triton_ops.decode_num_splits(bs, 8, sms=132) for bs in (1, 16, 64, 256, 1024)]
-    assert splits == sorted(splits, reverse=True) and splits[0] > splits[-1] == 1
+    sms, kv_heads, few = 132, 8, (2, 4, 8, 16)
+
+    def splits(sizes: tuple[int, ...]) -> list[int]:
+        return [triton_ops.decode_num_splits(bs, kv_heads, sms) for bs in sizes]
+
+    # one rule per launch of decode_launch: one request, a few, more
+    (one,), few_splits, many_splits = splits((1,)), splits(few), splits((17, 64, 256, 1024))
+    for rule in (few_splits, many_splits):
+        assert rule == sorted(rule, reverse=True) and rule[0] > rule[-1]
+    assert one >= few_splits[0] and many_splits[-1] == 1
+    # a few requests' programs each fill an SM's shared memory: at most two per SM
+    assert all(bs * kv_heads * s <= 2 * sms for bs, s in zip(few, few_splits, strict=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -40,8 +40,14 @@ import triton.language as tl
 from .attention_block import attend_block, attend_loaded, dot_block, load_kv
 from .pdl import pdl_args, wait_for_previous
 
-_BLOCK_N = 64  # keys per step: 16 KiB of bf16 K (or V) at head_dim 128
-_PROGRAMS_PER_SM = 16
+_BLOCK_N = 64  # keys per step, one request or fp32: 16 KiB of bf16 K (or V) at head_dim 128
+_ONE_REQUEST_PROGRAMS_PER_SM = 16
+# 2 to PREFETCH_MAX_BATCH requests: 128 keys per step in 3 stages (192 KiB of bf16 K and V: one
+# program fills an SM's shared memory), at most 2 programs per SM, so each reads several blocks
+# through the pipeline. On an H200 (bf16, the offline benchmark's last decode steps, contexts of
+# ~1,570 tokens) 16 requests took 35.3 us against 64.8 with 64 keys per step and ~16 programs per
+# SM, 8 requests 20.9 against 42.6, 4 requests 14.3 against 23.4 (RESULTS.md, fifteenth session)
+_FEW_REQUESTS_PROGRAMS_PER_SM = 2
 # above PREFETCH_MAX_BATCH, in 2-byte dtypes: twice the keys per step, half the programs. On an
 # H200 (bf16, contexts 100-2,048) batch 256 took 287.7 us against 300.2, batch 128 146.5 against
 # 161.4. In fp32, K and V tiles of 128 keys in two stages would need 256 KiB of shared memory.
@@ -61,9 +67,13 @@ class DecodeLaunch(NamedTuple):
 
 
 def decode_launch(batch_size: int, dtype: torch.dtype) -> DecodeLaunch:
-    """The launch for a batch: 64 keys per step up to PREFETCH_MAX_BATCH and in fp32, else 128."""
-    small = batch_size <= PREFETCH_MAX_BATCH or dtype.itemsize > 2
-    return DecodeLaunch(_BLOCK_N if small else _LARGE_BATCH_BLOCK_N)
+    """The launch for a batch: 64 keys per step for one request (a short context still spreads
+    over many SMs) and in fp32, else 128, in 3 stages up to PREFETCH_MAX_BATCH requests."""
+    if batch_size == 1 or dtype.itemsize > 2:
+        return DecodeLaunch(_BLOCK_N)
+    return DecodeLaunch(
+        _LARGE_BATCH_BLOCK_N, num_stages=3 if batch_size <= PREFETCH_MAX_BATCH else 2
+    )
 
 
 @functools.cache
@@ -74,15 +84,21 @@ def num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
-    """Splits per request: enough (request, KV head, split) programs for ~16 per SM (8 above
-    PREFETCH_MAX_BATCH, where each reads twice the keys per step), so a small batch occupies
-    every SM and a ragged large one leaves no SM with the tail; 1 once the batch alone has that
-    many. On an H200 over the offline benchmark, with 64 keys per step throughout, this rule spent
-    3.70 s in decode attention, against 3.78 s for a single split from batch 66 up. A function of
-    the batch size only (see the module docstring); sms: the device's multiprocessors."""
-    per_sm = _PROGRAMS_PER_SM if batch_size <= PREFETCH_MAX_BATCH else _LARGE_BATCH_PROGRAMS_PER_SM
-    wanted = per_sm * sms
-    return max(1, min(_MAX_SPLITS, triton.cdiv(wanted, batch_size * num_kv_heads)))
+    """Splits per request, from the (request, KV head, split) programs wanted per SM: ~16 for
+    one request, so its keys spread over every SM; at most 2 for a few (decode_launch's programs
+    then fill an SM each); ~8 above PREFETCH_MAX_BATCH, so a ragged batch leaves no SM with the
+    tail; 1 once the batch alone has that many. On an H200 over the offline benchmark, with 64
+    keys per step throughout, the rule above PREFETCH_MAX_BATCH spent 3.70 s in decode attention,
+    against 3.78 s for a single split from batch 66 up. A function of the batch size only (see the
+    module docstring); sms: the device's multiprocessors."""
+    pairs = batch_size * num_kv_heads
+    if batch_size == 1:
+        splits = triton.cdiv(_ONE_REQUEST_PROGRAMS_PER_SM * sms, pairs)
+    elif batch_size <= PREFETCH_MAX_BATCH:
+        splits = _FEW_REQUESTS_PROGRAMS_PER_SM * sms // pairs
+    else:
+        splits = triton.cdiv(_LARGE_BATCH_PROGRAMS_PER_SM * sms, pairs)
+    return max(1, min(_MAX_SPLITS, splits))
 
 
 @triton.jit
