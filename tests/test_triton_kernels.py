@@ -194,6 +194,19 @@ def test_decode_runs_on_graph_static_metadata_with_padding_rows(dtype):
     assert_close(got[: len(seq_lens)], want, ATTENTION_TOL[dtype])
 
 
+def test_decode_launch_takes_three_stages_only_where_they_fit():
+    """A few requests read 128 keys per step in 3 stages where 3 bf16 K and V tiles (192 KiB)
+    fit in a program's shared memory (an H200's), else in 2 (an A100's, or none reported)."""
+    hopper, a100, bf16, d = 232_448, 166_912, torch.bfloat16, 128
+    launch = triton_ops.decode_launch
+    assert launch(8, bf16, d, hopper) == (128, 4, 3)
+    assert launch(8, bf16, d, a100) == launch(8, bf16, d, 0) == (128, 4, 2)
+    assert launch(17, bf16, d, hopper) == (128, 4, 2)
+    # one request, and fp32, whose 128-key tiles would not fit even in 2 stages: 64 keys
+    assert launch(1, bf16, d, hopper) == launch(8, torch.float32, d, hopper)
+    assert launch(1, bf16, d, hopper).block_n == 64
+
+
 def test_decode_splits_shrink_as_the_batch_grows():
     sms, kv_heads, few = 132, 8, (2, 4, 8, 16)
 

@@ -3,7 +3,7 @@
 `triton` attention backend."""
 
 from .activation import silu_and_mul
-from .decode_attention import decode_attention, decode_num_splits, num_sms
+from .decode_attention import decode_attention, decode_launch, decode_num_splits, num_sms
 from .extend_attention import extend_attention, extend_blocks
 from .gemv import Prologue, linear, use_gemv
 from .norm import fused_add_rmsnorm, rmsnorm
@@ -15,6 +15,7 @@ __all__ = [
     "Prologue",
     "apply_rope_inplace",
     "decode_attention",
+    "decode_launch",
     "decode_num_splits",
     "extend_attention",
     "extend_blocks",

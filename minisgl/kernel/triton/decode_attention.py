@@ -42,8 +42,9 @@ from .pdl import pdl_args, wait_for_previous
 
 _BLOCK_N = 64  # keys per step, one request or fp32: 16 KiB of bf16 K (or V) at head_dim 128
 _ONE_REQUEST_PROGRAMS_PER_SM = 16
-# 2 to PREFETCH_MAX_BATCH requests: 128 keys per step in 3 stages (192 KiB of bf16 K and V: one
-# program fills an SM's shared memory), at most 2 programs per SM, so each reads several blocks
+# 2 to PREFETCH_MAX_BATCH requests: 128 keys per step in 3 stages where they fit (192 KiB of bf16
+# K and V at head_dim 128: one program fills an H200's shared memory; an A100's 163 KiB takes 2
+# stages, within 3 % of 3 on an H200), at most 2 programs per SM, so each reads several blocks
 # through the pipeline. On an H200 (bf16, the offline benchmark's last decode steps, contexts of
 # ~1,570 tokens) 16 requests took 35.3 us against 64.8 with 64 keys per step and ~16 programs per
 # SM, 8 requests 20.9 against 42.6, 4 requests 14.3 against 23.4 (RESULTS.md, fifteenth session)
@@ -58,6 +59,7 @@ _LARGE_BATCH_BLOCK_N = 128
 _LARGE_BATCH_PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 32
 PREFETCH_MAX_BATCH = 16
+_HOPPER_SHARED_MEMORY = 232_448  # bytes a program may use on an H100 or H200 (an A100: 166,912)
 
 
 class DecodeLaunch(NamedTuple):
@@ -66,14 +68,17 @@ class DecodeLaunch(NamedTuple):
     num_stages: int = 2
 
 
-def decode_launch(batch_size: int, dtype: torch.dtype) -> DecodeLaunch:
+def decode_launch(
+    batch_size: int, dtype: torch.dtype, head_dim: int, shared_memory: int
+) -> DecodeLaunch:
     """The launch for a batch: 64 keys per step for one request (a short context still spreads
-    over many SMs) and in fp32, else 128, in 3 stages up to PREFETCH_MAX_BATCH requests."""
+    over many SMs) and in fp32, else 128, in 3 stages up to PREFETCH_MAX_BATCH requests where
+    their K and V tiles fit in shared_memory (bytes a program may use), else 2."""
     if batch_size == 1 or dtype.itemsize > 2:
         return DecodeLaunch(_BLOCK_N)
-    return DecodeLaunch(
-        _LARGE_BATCH_BLOCK_N, num_stages=3 if batch_size <= PREFETCH_MAX_BATCH else 2
-    )
+    stage_bytes = 2 * _LARGE_BATCH_BLOCK_N * head_dim * dtype.itemsize  # a K and a V tile
+    three_stages = batch_size <= PREFETCH_MAX_BATCH and 3 * stage_bytes <= shared_memory
+    return DecodeLaunch(_LARGE_BATCH_BLOCK_N, num_stages=3 if three_stages else 2)
 
 
 @functools.cache
@@ -81,6 +86,16 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def shared_memory_per_program(device: torch.device) -> int:
+    """Bytes of shared memory a program may use: the device's opt-in limit per block (0 where
+    torch does not report it); off CUDA, Hopper's, so the interpreter takes an H200's launches."""
+    if device.type != "cuda":
+        return _HOPPER_SHARED_MEMORY
+    properties = torch.cuda.get_device_properties(device)
+    return getattr(properties, "shared_memory_per_block_optin", 0)
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
@@ -279,7 +294,9 @@ def decode_attention(
     mid_o = torch.empty((bs, qo_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, qo_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    block_n, num_warps, num_stages = launch or decode_launch(bs, q.dtype)
+    block_n, num_warps, num_stages = launch or decode_launch(
+        bs, q.dtype, head_dim, shared_memory_per_program(q.device)
+    )
     ordered = longest_first is not None and bs > PREFETCH_MAX_BATCH
     order = longest_first if ordered else seq_lens  # unordered: any int32 pointer, never read
     _split_kernel[(num_splits, kv_heads, bs)](
