@@ -13,7 +13,9 @@ from minisgl.kernel import torch_ops
 from minisgl.layers import get_rope, set_rope_device
 from minisgl.models import ModelConfig
 from minisgl.models.decoder import DecoderLayer
-from minisgl.utils import cached_load_hf_config, resolve_model_path, torch_dtype
+from minisgl.utils import resolve_model_path
+from minisgl.utils.hf import cached_load_hf_config
+from minisgl.utils.torch_utils import torch_dtype
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument(

@@ -1,4 +1,7 @@
-"""The offline API: `LLM(model).generate(prompts, sampling_params)`, everything in this process."""
+"""The offline API: `LLM(model, **settings).generate(prompts, sampling_params)`, all in this process.
+
+The settings are EngineConfig's and SchedulerConfig's fields (`minisgl.config`), the same the CLI
+sets; chunk_size defaults to the offline one there."""
 
 import itertools
 import time
@@ -7,73 +10,36 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
+from minisgl.config import (
+    EngineConfig,
+    SchedulerConfig,
+    offline_chunk_size,
+    split_overrides,
+)
 from minisgl.core import SamplingParams
-from minisgl.engine import Engine, EngineConfig
-from minisgl.scheduler import ReqOutput, Scheduler, SchedulerConfig
-from minisgl.tokenizer import IncrementalDetokenizer
+from minisgl.engine.engine import Engine
+from minisgl.messages import Finished, StepOutputs
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
+from minisgl.tokenizer.loader import load_tokenizer
 from minisgl.utils import load_eos_token_ids, resolve_model_path
 
 Prompt = str | list[int]
 
 
-def default_chunk_size(device: torch.device) -> int:
-    """Tokens per step when none is given: 16,384 on a GPU of 70 GiB or more but an A100,
-    else 8,192 (vLLM's offline defaults; vLLM measured the larger one slower on an A100). A
-    prefill step runs eagerly, and on an H200 launching its kernels takes the host about as long
-    as the GPU takes for 8,192 tokens: twice the tokens per step halves the launches, and the
-    offline benchmark ran 1.6-3.4 % faster (RESULTS.md, eleventh session). The server keeps
-    8,192, since a longer step delays its running streams more."""
-    if device.type != "cuda":
-        return 8192
-    properties = torch.cuda.get_device_properties(device)
-    return 16384 if properties.total_memory >= 70 << 30 and "A100" not in properties.name else 8192
-
-
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        device: str = "auto",
-        dtype: str = "auto",
-        page_size: int = 1,
-        max_running_requests: int = 256,
-        max_kv_tokens: int | None = None,
-        chunk_size: int | None = None,
-        cache: str = "radix",
-        attention_backend: str = "auto",
-        cuda_graph_max_bs: int | None = None,
-        overlap: bool = True,
-        dummy_weights: bool = False,
-    ) -> None:
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
         path = resolve_model_path(model)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.engine = Engine(
-            EngineConfig(
-                model_path=path,
-                device=device,
-                dtype=dtype,
-                page_size=page_size,
-                max_running_requests=max_running_requests,
-                max_kv_tokens=max_kv_tokens,
-                attention_backend=attention_backend,
-                cuda_graph_max_bs=cuda_graph_max_bs,
-                dummy_weights=dummy_weights,
-            )
-        )
-        if chunk_size is None:
-            chunk_size = default_chunk_size(self.engine.device)
+        engine_settings, scheduler_settings = split_overrides(settings)
+        if engine_settings.get("tp_size", 1) != 1:
+            raise ValueError("the offline LLM runs one rank; serve with --tp for more")
+        self.tokenizer = load_tokenizer(path)
+        self.engine = Engine(EngineConfig(model_path=path, **engine_settings))
+        if "chunk_size" not in scheduler_settings:
+            scheduler_settings["chunk_size"] = _offline_chunk_size(self.engine.device)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                chunk_size=chunk_size,
-                cache=cache,
-                overlap=overlap,
-            ),
-            self.engine,
-            load_eos_token_ids(path),
-            self.tokenizer,
+            SchedulerConfig(**scheduler_settings), self.engine, load_eos_token_ids(path)
         )
         self._rids = itertools.count()
 
@@ -110,49 +76,97 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling params for {len(ids)} prompts")
         rids = [next(self._rids) for _ in ids]
         self.scheduler.add_requests(list(zip(rids, ids, params, strict=True)))
-        detoks = {}
-        results: dict[int, dict[str, Any]] = {}
         arrival = time.perf_counter()
-        for rid, prompt_ids, p in zip(rids, ids, params, strict=True):
-            detoks[rid] = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.stop)
-            metrics = {"arrival_time": arrival, "first_token_time": None, "finished_time": None}
-            results[rid] = {"text": "", "token_ids": [], "finish_reason": None, "metrics": metrics}
-            if p.logprobs is not None:
-                results[rid]["logprobs"] = []
+        runs = {
+            rid: _Run(self.tokenizer, prompt_ids, p, arrival)
+            for rid, prompt_ids, p in zip(rids, ids, params, strict=True)
+        }
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
             while self.scheduler.has_work:
-                outputs = self.scheduler.step()
+                out = self.scheduler.step()
                 now = time.perf_counter()  # when this step's tokens reached the host
-                for out in outputs:
-                    if out.rid in results:
-                        self._apply(results[out.rid], detoks[out.rid], out, now)
-                        bar.update(out.finish_reason is not None)
-        return [results[rid] for rid in rids]
+                stopped = self._apply(out, runs, now)
+                for rid in stopped:  # a stop string matched: it ends here, as in the server
+                    finish = self.scheduler.abort_request(rid)
+                    assert finish is not None
+                    runs[rid].finish(finish, now)
+                bar.update(sum(f.rid in runs for f in out.finished) + len(stopped))
+        return [runs[rid].result for rid in rids]
 
     @staticmethod
-    def _apply(
-        result: dict[str, Any], detok: IncrementalDetokenizer, out: ReqOutput, now: float
+    def _apply(out: StepOutputs, runs: dict[int, "_Run"], now: float) -> list[int]:
+        """Apply one step's outputs; returns the requests a stop string ended."""
+        ended = {f.rid: f for f in out.finished}
+        stopped = []
+        for i, (rid, token) in enumerate(zip(out.rids, out.token_ids, strict=True)):
+            run = runs.get(rid)
+            if run is None:
+                continue
+            logprobs = None if out.logprobs is None else out.logprobs[i]
+            if run.add(token, logprobs, ended.get(rid), now):
+                stopped.append(rid)
+        for finish in out.finished:
+            if finish.rid in runs:
+                runs[finish.rid].finish(finish, now)
+        return stopped
+
+
+class _Run:
+    """One request's result as its tokens arrive. Its text is decoded once at the end, except
+    when it has stop strings: then after every token, so that the request ends at the first."""
+
+    def __init__(
+        self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams, arrival: float
     ) -> None:
-        if out.token_id is not None:
-            result["token_ids"].append(out.token_id)
-            if result["metrics"]["first_token_time"] is None:
-                result["metrics"]["first_token_time"] = now
-        if out.logprob is not None:
-            logprob, top = out.logprob
-            result["logprobs"].append(
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)
+        self.incremental = bool(params.stop)
+        metrics = {"arrival_time": arrival, "first_token_time": None, "finished_time": None}
+        self.result: dict[str, Any] = {
+            "text": "", "token_ids": [], "finish_reason": None, "metrics": metrics,
+        }  # fmt: skip
+        if params.logprobs is not None:
+            self.result["logprobs"] = []
+
+    def add(self, token: int, logprobs: Any, finish: Finished | None, now: float) -> bool:
+        """Add a sampled token; True when it completed a stop string."""
+        if self.detok.stopped:
+            return False
+        self.result["token_ids"].append(token)
+        if self.result["metrics"]["first_token_time"] is None:
+            self.result["metrics"]["first_token_time"] = now
+        if logprobs is not None:
+            self.result["logprobs"].append(
                 {
-                    "token_id": out.token_id,
-                    "logprob": logprob,
-                    "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in top],
+                    "token_id": token,
+                    "logprob": logprobs.logprob,
+                    "top_logprobs": [
+                        {"token_id": t, "logprob": lp}
+                        for t, lp in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
+                    ],
                 }
             )
-        if out.finish_reason is not None:
-            result["metrics"]["finished_time"] = now
-            # offline, the text is decoded once at the end (the same detokenizer as streaming)
-            stop_token = isinstance(out.matched_stop, int)
-            result["text"] = detok.step(result["token_ids"], finished=True, stop_token=stop_token)
-            result.update(
-                finish_reason=out.finish_reason,
-                prompt_tokens=out.prompt_tokens,
-                cached_tokens=out.cached_tokens,
-            )
+        if self.incremental:
+            stop_token = finish is not None and isinstance(finish.matched_stop, int)
+            self.detok.step([token], finish is not None, stop_token)
+            return self.detok.stopped and finish is None
+        return False
+
+    def finish(self, finish: Finished, now: float) -> None:
+        stop_token = isinstance(finish.matched_stop, int)
+        ids = [] if self.incremental else self.result["token_ids"]
+        self.detok.step(ids, finished=True, stop_token=stop_token and not self.incremental)
+        end = self.detok.end(finish)
+        self.result["metrics"]["finished_time"] = now
+        self.result.update(
+            text=self.detok.text,
+            finish_reason=end.reason,
+            prompt_tokens=end.prompt_tokens,
+            cached_tokens=end.cached_tokens,
+        )
+
+
+def _offline_chunk_size(device: torch.device) -> int:
+    if device.type != "cuda":
+        return offline_chunk_size(device.type)
+    properties = torch.cuda.get_device_properties(device)
+    return offline_chunk_size(device.type, properties.total_memory, properties.name)

@@ -1,24 +1,27 @@
 """The wire between processes: small dataclasses, msgpack-encoded, over ZMQ PUSH/PULL sockets.
 
-  API server ─TokenizeRequest, AbortRequest─▶ tokenizer ─AddRequest, AbortRequest─▶ scheduler rank 0
-      ▲                                        │   ▲                                      │      │
-      └───── SchedulerLimits, TextOutputs ─────┘   └─ SchedulerLimits, SchedulerOutputs ──┘      │
-                     scheduler ranks 1..tp-1 ◀── each step's list[AddRequest | AbortRequest] ────┘
+  API server ─TokenizeRequest, AbortRequest─▶ tokenizer ─AddRequests, AbortRequest─▶ scheduler rank 0
+      ▲                                       (2 threads)                                  │     │
+      └─ Ready, Heartbeat, TextOutputs ───── detokenizer ◀── Ready, Heartbeat, StepOutputs ─┘     │
+                     scheduler ranks 1..tp-1 ◀── each step's list[AddRequests | AbortRequest] ───┘
 
-Every socket is bound by the process that reads it; the processes that write to it connect.
+Every socket is bound by the process that reads it; the processes that write to it connect. A
+step's outputs travel as one message of columns (a row per request that got a token), and what
+ends a request (`Finished`: reason, matched stop, counts) travels once, when it ends.
+
+Imports nothing heavy: the API server and the tokenizer process run without torch.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import zmq
 
 from minisgl.core import FinishReason, SamplingParams
-from minisgl.scheduler import ReqOutput
 
 _WIRE_TYPES: dict[str, type] = {}
 
@@ -29,44 +32,66 @@ def _wire(cls: type) -> type:
 
 
 _wire(SamplingParams)
-_wire(ReqOutput)
 
 
 # ---------------------------------------------------------------------- API server -> tokenizer
 @_wire
 @dataclass
 class TokenizeRequest:
-    """A prompt to tokenize (text or ids) or a chat to render with the chat template."""
+    """One API request: each prompt (text or ids), or one chat rendered with the chat template,
+    computed len(params) times (its choices); rids[i * len(params) + j] is prompt i's choice j.
+    It is served whole or not at all."""
 
-    rid: int
-    params: SamplingParams
-    prompt: str | list[int] | None = None
+    rids: list[int]
+    params: list[SamplingParams]
+    prompts: list[str | list[int]] | None = None
     messages: list[dict[str, str]] | None = None
 
 
 @_wire
 @dataclass
 class AbortRequest:
-    rid: int
+    rids: list[int]
 
 
 # ---------------------------------------------------------------------- tokenizer -> scheduler
 @_wire
 @dataclass
-class AddRequest:
-    rid: int
-    prompt_ids: list[int]
-    params: SamplingParams
+class AddRequests:
+    """Requests to add, all or none: each prompt with the rids and params of its choices."""
+
+    prompts: list[list[int]]
+    rids: list[list[int]]
+    params: list[list[SamplingParams]]
 
 
 # ---------------------------------------------------------------------- scheduler -> tokenizer
 @_wire
 @dataclass
-class SchedulerLimits:
+class Ready:
     """Sent once by scheduler rank 0 when every rank is ready; forwarded to the API server."""
 
     max_seq_len: int  # prompt + output tokens of one request, at most
     vocab_size: int
+
+
+@_wire
+@dataclass
+class Heartbeat:
+    """Sent by the scheduler at least once a second, busy or idle; forwarded to the API server."""
+
+
+@_wire
+@dataclass
+class Finished:
+    """How a request ended. matched_stop: the stop token id or stop string that ended it."""
+
+    rid: int
+    reason: FinishReason
+    matched_stop: str | int | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
 
 
 @_wire
@@ -89,8 +114,6 @@ class SchedulerLoad:
     request_pages: int
     cached_pages: int
     free_pages: int
-    prompt_tokens: int
-    cached_prompt_tokens: int
     num_preemptions: int
     integrity_checks: int
     integrity_failures: int
@@ -98,16 +121,31 @@ class SchedulerLoad:
 
 @_wire
 @dataclass
-class SchedulerOutputs:
-    outputs: list[ReqOutput]
-    errors: list[ReqError]
+class TokenLogprobs:
+    """The sampled token's logprob and the most likely tokens' (ids) at one step."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@_wire
+@dataclass
+class StepOutputs:
+    """One step: the token each of `rids` got (columns), then the requests that ended."""
+
+    rids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None  # a row per rid, when some asked
+    finished: list[Finished] = field(default_factory=list)
+    errors: list[ReqError] = field(default_factory=list)
     load: SchedulerLoad | None = None
 
 
 # ---------------------------------------------------------------------- tokenizer -> API server
 @_wire
 @dataclass
-class TokenLogprob:
+class TextLogprobs:
     token: str
     logprob: float
     top: list[tuple[str, float]]
@@ -115,25 +153,16 @@ class TokenLogprob:
 
 @_wire
 @dataclass
-class ReqChunk:
-    """One step of one request, as text. Token counts are totals so far."""
-
-    rid: int
-    text: str
-    token_id: int | None
-    finish_reason: FinishReason | None
-    matched_stop: str | int | None
-    logprob: TokenLogprob | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@_wire
-@dataclass
 class TextOutputs:
-    chunks: list[ReqChunk]
-    errors: list[ReqError]
+    """What became final text this step: for each of `rids` the new text and how many tokens
+    it came from (0 when every new token was held back or cut by a stop string)."""
+
+    rids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    logprobs: list[list[TextLogprobs]] | None = None  # a list per rid, when some asked
+    finished: list[Finished] = field(default_factory=list)
+    errors: list[ReqError] = field(default_factory=list)
     load: SchedulerLoad | None = None
 
 
@@ -161,20 +190,21 @@ def decode(data: bytes) -> Any:
 # ---------------------------------------------------------------------- sockets
 @dataclass(frozen=True)
 class Addresses:
-    """The ZMQ endpoint each process reads from; ipc files in one per-launch directory."""
+    """The ZMQ endpoint each process reads from: Linux abstract sockets (`ipc://@name`), which
+    leave no file behind, however the processes end."""
 
     api: str
-    tokenizer: str
+    tokenizer: str  # its tokenize thread: requests from the API server
+    detokenizer: str  # its detokenize thread: what the scheduler sends
     scheduler: str
     followers: tuple[str, ...]  # scheduler ranks 1..tp-1
 
     @classmethod
-    def in_dir(cls, directory: str, tp_size: int) -> Addresses:
-        def ipc(name: str) -> str:
-            return "ipc://" + os.path.join(directory, name)
-
-        followers = tuple(ipc(f"rank{r}") for r in range(1, tp_size))
-        return cls(ipc("api"), ipc("tokenizer"), ipc("scheduler"), followers)
+    def new(cls, tp_size: int) -> Addresses:
+        prefix = f"ipc://@minisgl-{uuid.uuid4().hex}-"
+        names = ("api", "tokenizer", "detokenizer", "scheduler")
+        followers = tuple(f"{prefix}rank{r}" for r in range(1, tp_size))
+        return cls(*(prefix + name for name in names), followers=followers)
 
 
 def bind_pull(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -200,9 +230,12 @@ def recv(sock: zmq.Socket) -> Any:
     return decode(sock.recv())
 
 
-def recv_all(sock: zmq.Socket, block: bool) -> list[Any]:
-    """Every message waiting on `sock`; with block, waits for at least one."""
-    messages = [recv(sock)] if block else []
+def recv_all(sock: zmq.Socket, timeout_ms: int | None) -> list[Any]:
+    """Every message waiting on `sock`; with a timeout (None: forever), waits for at least one
+    that long first (an empty list if none came)."""
+    if timeout_ms != 0 and not sock.poll(timeout_ms):
+        return []
+    messages = []
     while True:
         try:
             messages.append(decode(sock.recv(zmq.NOBLOCK)))

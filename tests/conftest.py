@@ -161,3 +161,9 @@ def assert_same_or_near_tie(
     assert gap < 1e-4, (
         f"first difference at token {i}: got {got[i]}, want {want[i]}, top-2 gap {gap}"
     )
+
+
+def step_tokens(scheduler) -> list[tuple[int, int]]:
+    """One scheduler step's (rid, token) pairs."""
+    out = scheduler.step()
+    return list(zip(out.rids, out.token_ids, strict=True))

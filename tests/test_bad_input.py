@@ -12,7 +12,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(checkpoint) -> LLM:
-    return LLM(str(checkpoint("llama")), device=DEVICE, dtype="float32", max_kv_tokens=256)
+    return LLM(
+        str(checkpoint("llama")),
+        device=DEVICE,
+        dtype="float32",
+        max_kv_tokens=256,
+        max_model_len=256,
+    )
 
 
 @pytest.fixture(scope="module")

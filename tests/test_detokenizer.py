@@ -4,7 +4,7 @@ may still become a stop string) and always concatenate to the finished text."""
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from minisgl.tokenizer import IncrementalDetokenizer
+from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import QWEN3_TOKENIZER
@@ -60,3 +60,33 @@ def test_a_finishing_stop_token_adds_no_text(qwen3: PreTrainedTokenizerBase) -> 
     first = detok.step(qwen3.encode(" there"))
     last = detok.step([qwen3.convert_tokens_to_ids("<|im_end|>")], finished=True, stop_token=True)
     assert (first, last, detok.text) == (" there", "", " there")
+
+
+def test_a_stop_string_in_the_first_token_ends_the_text_there(
+    qwen3: PreTrainedTokenizerBase,
+) -> None:
+    ids = qwen3.encode(" there was a cat")
+    pieces, detok = _stream(qwen3, ids, stop=(" there",))
+    assert pieces == [""] * len(ids) and detok.text == ""
+    assert (detok.matched_stop, detok.num_tokens) == (" there", 1)  # later tokens add nothing
+
+
+def test_a_stop_string_across_a_multi_byte_character_is_matched_when_it_completes(
+    qwen3: PreTrainedTokenizerBase,
+) -> None:
+    ids = qwen3.encode("ab 🫠🫨 cd")
+    assert any("\ufffd" in qwen3.decode([t]) for t in ids), "no character spans two tokens"
+    pieces, detok = _stream(qwen3, ids, stop=("🫨",))
+    assert "".join(pieces) == detok.text == "ab 🫠"
+    assert all("\ufffd" not in p for p in pieces)
+    whole = qwen3.encode("ab 🫠🫨")
+    assert detok.num_tokens == len(whole)  # up to the token that completed the character
+
+
+def test_of_stop_strings_the_first_to_complete_wins_and_its_tail_is_held(
+    qwen3: PreTrainedTokenizerBase,
+) -> None:
+    ids = qwen3.encode("one two three four")
+    pieces, detok = _stream(qwen3, ids, stop=("three four", "two t", "xyz"))
+    assert detok.text == "one " and detok.matched_stop == "two t"
+    assert "".join(pieces) == "one "

@@ -1,16 +1,20 @@
 """Continuous batching, paging, chunking, prefix reuse, preemption, overlap and the CUDA-graph path
 all compute the same function as running one request at a time (and as Hugging Face)."""
 
+import json
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import Req, build_batch
-from minisgl.llm import default_chunk_size
+from minisgl.config import offline_chunk_size
+from minisgl.core import Req
+from minisgl.scheduler.batch_builder import build_batch
 
-from .conftest import DEVICE, assert_same_or_near_tie, hf_greedy, hf_model
+from .conftest import DEVICE, assert_same_or_near_tie, hf_greedy, hf_model, step_tokens
 
 NUM_PROMPTS = 40
 PLAIN = {"attention_backend": "torch", "cuda_graph_max_bs": 0, "overlap": False}
@@ -103,8 +107,12 @@ def test_split_k_partial_sums_give_the_reference_tokens(
 
 
 def test_offline_default_chunk_size_follows_the_device(model_path) -> None:
+    gib = 1 << 30
+    assert offline_chunk_size("cuda", 141 * gib, "NVIDIA H200") == 16384
+    assert offline_chunk_size("cuda", 80 * gib, "NVIDIA A100-SXM4-80GB") == 8192
+    assert offline_chunk_size("cuda", 24 * gib, "NVIDIA GeForce RTX 4090") == 8192
+    assert offline_chunk_size("cpu") == 8192
     llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1024)
-    assert llm.scheduler.config.chunk_size == default_chunk_size(llm.engine.device)
     if llm.engine.device.type == "cpu":
         assert llm.scheduler.config.chunk_size == 8192
     with pytest.raises(ValueError, match="chunk_size"):
@@ -128,8 +136,9 @@ def test_decode_tokens_count_in_the_step_budget(model_path, workload) -> None:
         str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=16384, chunk_size=chunk
     )
     scheduler = llm.scheduler
-    for rid, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-        scheduler.add_request(rid, prompt, sp)
+    scheduler.add_requests(
+        [(rid, p, sp) for rid, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    )
     full_mixed_steps = 0
     while scheduler.has_work:
         scheduler.step()
@@ -210,7 +219,7 @@ def test_max_running_requests_bounds_the_batch(model_path, workload, reference) 
 
 
 def test_generation_stops_at_the_context_length(model_path) -> None:
-    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=64)
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=64, max_model_len=64)
     assert llm.engine.max_seq_len == 64
     out = llm.generate(
         [[5] * 60], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
@@ -221,20 +230,19 @@ def test_generation_stops_at_the_context_length(model_path) -> None:
 def test_abort_frees_the_request(model_path) -> None:
     llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=2048)
     scheduler = llm.scheduler
-    scheduler.add_request(
-        100, list(range(50)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    )
-    scheduler.add_request(
-        101, list(range(40)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    scheduler.add_requests(
+        [
+            (100, list(range(50)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)),
+            (101, list(range(40)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
+        ]
     )
     for _ in range(3):
         scheduler.step()
     aborted = scheduler.abort_request(100)
-    assert aborted is not None and aborted.finish_reason == "abort"
+    assert aborted is not None and aborted.reason == "abort"
     assert scheduler.abort_request(100) is None
     while scheduler.has_work:
-        for out in scheduler.step():
-            assert out.rid == 101
+        assert set(scheduler.step().rids) <= {101}
     scheduler.check_integrity()
     assert scheduler.kv.used_pages == len(scheduler.kv.prefix_cache.cached_pages())
 
@@ -258,11 +266,11 @@ def test_random_arrivals_aborts_and_preemption_keep_the_pool_consistent(
         ]
         sp = SamplingParams(temperature=0, max_tokens=rng.randint(1, 30), ignore_eos=True)
         expected[rid] = alone.generate([prompt], sp, use_tqdm=False)[0]["token_ids"]
-        scheduler.add_request(rid, prompt, sp)
+        scheduler.add_requests([(rid, prompt, sp)])
         finished[rid] = []
     while scheduler.has_work:
-        for out in scheduler.step():
-            finished[out.rid].append(out.token_id)
+        for rid, token in step_tokens(scheduler):
+            finished[rid].append(token)
         if rng.random() < 0.1:
             rid = rng.randrange(30)
             if scheduler.abort_request(rid) is not None:
@@ -291,18 +299,18 @@ def test_decode_steps_that_admit_a_request_write_its_tables_with_graphs_on(
     alone = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1024, **PLAIN)
     expected = [alone.generate([p], sp, use_tqdm=False)[0]["token_ids"] for p in prompts]
     llm = LLM(
-        str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=160, page_size=page_size,
-        cuda_graph_max_bs=4,
+        str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=160, max_model_len=160,
+        page_size=page_size, cuda_graph_max_bs=4,
     )  # fmt: skip
     scheduler, outputs = llm.scheduler, {rid: [] for rid in range(len(prompts))}
     for rid, prompt in enumerate(prompts):
-        scheduler.add_request(rid, prompt, sp)
+        scheduler.add_requests([(rid, prompt, sp)])
         for _ in range(3):  # the earlier requests are decoding when the next one arrives
-            for out in scheduler.step():
-                outputs[out.rid].append(out.token_id)
+            for out_rid, token in step_tokens(scheduler):
+                outputs[out_rid].append(token)
     while scheduler.has_work:
-        for out in scheduler.step():
-            outputs[out.rid].append(out.token_id)
+        for rid, token in step_tokens(scheduler):
+            outputs[rid].append(token)
         scheduler.check_integrity()
     assert scheduler.stats.num_preemptions > 0
     assert list(outputs.values()) == expected
@@ -347,23 +355,20 @@ def test_graph_runner_pads_what_a_smaller_batch_leaves_of_a_larger_ones_inputs(m
     def decode(size: int, num_writes: int) -> None:
         reqs = [Req(i, [1], SamplingParams(), seed=0, slot=i) for i in range(size)]
         writes = (np.arange(num_writes) * width + 8, np.arange(num_writes) + 8)
-        batch = build_batch(
-            reqs, [8] * size, [1] * size, engine.page_table, engine.token_table, None, writes
-        )
+        batch = build_batch(reqs, [8] * size, [1] * size, engine.layout, None, writes)
         assert runner.can_run(batch)
-        runner.run(batch, None)
-        assert batch.slots.tolist() == list(range(size))  # the batch's own rows of the inputs
+        _, _, inputs = runner.run(batch, None)
+        assert inputs.slots.tolist() == list(range(size))  # the batch's own rows of the inputs
 
     decode(12, 12)
     decode(9, 2)
-    static = runner._batches[16]
+    static = runner.static_inputs(16, 16, 16)
     dummy_entry = engine.dummy_slot * width
     assert static.slots.tolist() == list(range(9)) + [engine.dummy_slot] * 7
     assert static.positions.tolist() == [8] * 9 + [0] * 7
     assert static.longest_first.tolist() == list(range(16))
-    entries, values = static.page_writes
-    assert entries.tolist() == [8, width + 8] + [dummy_entry] * 14
-    assert values.tolist() == [8, 9] + [engine.pool.dummy_loc] * 14
+    assert static.page_write_entries.tolist() == [8, width + 8] + [dummy_entry] * 14
+    assert static.page_write_values.tolist() == [8, 9] + [engine.pool.dummy_loc] * 14
 
 
 def test_generate_reports_when_each_request_got_its_first_and_last_token(model_path) -> None:
@@ -380,3 +385,41 @@ def test_generate_reports_when_each_request_got_its_first_and_last_token(model_p
     assert metrics[0]["first_token_time"] == metrics[0]["finished_time"]
     assert metrics[1]["first_token_time"] < metrics[1]["finished_time"]
     assert [len(out["token_ids"]) for out in outs] == lengths
+
+
+_TOKENS_SCRIPT = """
+import json, sys
+from minisgl import LLM, SamplingParams
+llm = LLM(device="cpu", max_kv_tokens=4096, max_model_len=1024, page_size=4, chunk_size=16)
+params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+prompts = ["Once upon a time", "The dog ran", "Once upon a time, there"]
+first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+again = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]  # prefix hits
+llm.scheduler.check_integrity()
+kv = llm.scheduler.kv
+print(json.dumps([first, again, kv.used_pages == kv.prefix_cache.num_cached_pages]))
+"""
+
+
+def test_optimized_python_gives_the_same_tokens_and_accounting() -> None:
+    """Asserts only check: `python -O` drops them, and nothing the engine does may go with them."""
+    runs = [
+        json.loads(subprocess.run([sys.executable, *flag, "-c", _TOKENS_SCRIPT], capture_output=True,
+                                  text=True, check=True).stdout.splitlines()[-1])
+        for flag in ([], ["-O"])
+    ]  # fmt: skip
+    assert runs[0] == runs[1]
+    first, again, pages_held_only_by_the_cache = runs[0]
+    assert first == again and pages_held_only_by_the_cache
+
+
+@pytest.mark.parametrize(("stop", "text", "tokens"), [(" there", "", 1), (" was", " there", 2)])
+def test_a_stop_string_ends_the_request_where_it_matched(stop: str, text: str, tokens: int) -> None:
+    """The embedded model continues "Once upon a time," with " there was a": a stop string in
+    its first token or later ends the text before it, and no token past it is returned."""
+    llm = LLM(device=DEVICE, dtype="float32", max_kv_tokens=4096, max_model_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=12, stop=stop)
+    out = llm.generate(["Once upon a time,"], params, use_tqdm=False)[0]
+    assert (out["text"], out["finish_reason"], len(out["token_ids"])) == (text, "stop", tokens)
+    assert not llm.scheduler.has_work
+    llm.scheduler.check_integrity()

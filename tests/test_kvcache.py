@@ -2,7 +2,9 @@
 
 import pytest
 
-from minisgl.kvcache import KVCacheManager, RadixCache
+from minisgl.kvcache import IntegrityError
+from minisgl.kvcache.manager import KVCacheManager
+from minisgl.kvcache.radix_cache import RadixCache
 
 
 def test_match_returns_only_whole_cached_pages() -> None:
@@ -44,7 +46,7 @@ def test_integrity_check_detects_a_lock_nobody_holds() -> None:
     cache = RadixCache(page_size=1)
     node, _ = cache.insert([1, 2], [10, 11])
     cache.lock(node)
-    with pytest.raises(AssertionError, match="lock count"):
+    with pytest.raises(IntegrityError, match="lock count"):
         cache.check_integrity([])
 
 
@@ -95,7 +97,7 @@ def test_released_prefix_is_reused_and_accounting_holds() -> None:
     assert kv.prefix_cache.num_evictable_pages == 0  # locked by slot 1
     assert not kv.reserve(1, 4 + 2 * 7)  # 7 more pages: only 6 are free
     assert kv.reserve(1, 4 + 2 * 6)
-    with pytest.raises(AssertionError, match="cover the prefix"):
+    with pytest.raises(ValueError, match="cover the prefix"):
         kv.release(1, [])  # the slot's first two pages belong to the cache: it must say which
 
 
@@ -129,5 +131,5 @@ def test_integrity_check_detects_a_double_free() -> None:
     kv.admit(0, [])
     kv.reserve(0, 2)
     kv.allocator.free(list(kv._pages[0]))  # a bug that frees a page still in use
-    with pytest.raises(AssertionError, match="both free and in use"):
+    with pytest.raises(IntegrityError, match="both free and in use"):
         kv.check_integrity()

@@ -11,7 +11,8 @@ from minisgl.layers import BaseOP, OPList, StateLessOP, get_rope, set_rope_devic
 from minisgl.layers.linear import LinearRowParallel
 from minisgl.models import CausalLM, ModelConfig
 from minisgl.models.decoder import DecoderLayer
-from minisgl.utils import cached_load_hf_config, torch_dtype
+from minisgl.utils.hf import cached_load_hf_config
+from minisgl.utils.torch_utils import torch_dtype
 
 from .conftest import QWEN3_TOKENIZER
 

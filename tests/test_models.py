@@ -1,16 +1,21 @@
 """The generic decoder and the loader: the same function as Hugging Face, for every architecture."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import Req, build_batch
-from minisgl.engine import Engine, EngineConfig
-from minisgl.kvcache import KVCacheManager
+from minisgl.config import EngineConfig
+from minisgl.core import Req
+from minisgl.engine.context import ForwardBatch, forward_context, load_inputs
+from minisgl.engine.engine import Engine, upload
+from minisgl.kvcache.manager import KVCacheManager
+from minisgl.scheduler.batch_builder import build_batch
 from minisgl.scheduler.token_table import TokenTable
 from minisgl.utils import DEFAULT_MODEL_PATH
 
@@ -44,19 +49,23 @@ PROMPT = [7, 300, 12, 99, 450, 3, 81, 81, 200, 17, 64, 5]
 
 
 def prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prompt, through the real pool and attention backend."""
-    kv = KVCacheManager(engine.num_pages, engine.page_size, engine.page_table.shape[1], "naive")
+    """Logits at every position of one prompt, through the real pool and attention backend: the
+    engine's forward, with every token's row as a "last" one."""
+    layout = engine.layout
+    kv = KVCacheManager(layout.num_pages, layout.page_size, layout.page_table_width, "naive")
     kv.admit(0, [])
     assert kv.reserve(0, len(ids))
-    tokens = TokenTable(engine.token_table)
+    tokens = TokenTable(layout)
     tokens.write(0, 0, ids)
-    req = Req(rid=0, prompt_ids=ids, params=SamplingParams(), seed=0, slot=0)
+    req = Req(rid=0, token_ids=ids, params=SamplingParams(), seed=0, slot=0)
     batch = build_batch(
-        [req], [0], [len(ids)], engine.page_table, tokens.table, None,
-        kv.take_page_writes(), tokens.take_writes(),
-    )  # fmt: skip
-    batch.all_logits = True
-    return engine.forward_logits(batch).float().cpu()
+        [req], [0], [len(ids)], layout, None, kv.take_page_writes(), tokens.take_writes()
+    )
+    inputs = upload(replace(batch.inputs, last_indices=np.arange(len(ids))), engine.device)
+    input_ids, out_loc = load_inputs(inputs, engine.page_table, engine.token_table)
+    metadata = engine.attn_backend.prepare(batch)
+    with forward_context(ForwardBatch(False, inputs, out_loc, engine.attn_backend, metadata)):
+        return engine.model.forward(input_ids).float().cpu()
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -69,7 +78,7 @@ def test_logits_and_greedy_tokens_equal_hf(checkpoint, variant: str) -> None:
     hf = hf_model(path)
     with torch.no_grad():
         want_logits = hf(torch.tensor([PROMPT], device=hf.device)).logits[0].cpu()
-    llm = LLM(str(path), device=DEVICE, dtype="float32", max_kv_tokens=512)
+    llm = LLM(str(path), device=DEVICE, dtype="float32", max_kv_tokens=512, max_model_len=512)
     got_logits = prefill_logits(llm.engine, PROMPT)
     assert (got_logits - want_logits).abs().max().item() < 1e-5
 
@@ -84,7 +93,7 @@ def test_logits_and_greedy_tokens_equal_hf(checkpoint, variant: str) -> None:
 def test_embedded_model_continues_once_upon_a_time_as_recorded() -> None:
     reference = [432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337,
                  410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394]  # fmt: skip
-    llm = LLM(device=DEVICE, dtype="float32", max_kv_tokens=1024)
+    llm = LLM(device=DEVICE, dtype="float32", max_kv_tokens=1024, max_model_len=1024)
     out = llm.generate(
         "Once upon a time", SamplingParams(temperature=0, max_tokens=32), use_tqdm=False
     )
@@ -107,7 +116,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> No
     config["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
-        Engine(EngineConfig(model_path=tmp_path, device=DEVICE, max_kv_tokens=64))
+        Engine(EngineConfig(model_path=tmp_path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
 
 
 def _corrupt_copy(src: Path, dst: Path, edit) -> Path:
@@ -129,14 +138,14 @@ def test_wrong_shape_names_the_tensor_and_file(checkpoint, tmp_path: Path) -> No
 
     path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
     with pytest.raises(ValueError, match=rf"{name}.*model\.safetensors.*\(3, 64\)"):
-        Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64))
+        Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
 
 
 def test_missing_tensor_is_named(checkpoint, tmp_path: Path) -> None:
     name = "model.layers.0.mlp.up_proj.weight"
     path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", lambda t: t.pop(name))
     with pytest.raises(ValueError, match=rf"missing.*{name}"):
-        Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64))
+        Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
 
 
 def test_unexpected_tensor_is_named(checkpoint, tmp_path: Path) -> None:
@@ -147,4 +156,4 @@ def test_unexpected_tensor_is_named(checkpoint, tmp_path: Path) -> None:
 
     path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
     with pytest.raises(ValueError, match=rf"unexpected.*{name}.*model\.safetensors"):
-        Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64))
+        Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.engine import Sampler, SamplingArgs
-from minisgl.engine.sampler import hash_uniform
+from minisgl.engine.sampler import Sampler, SamplingArgs, hash_uniform
 from minisgl.kernel import sample_tokens
 from minisgl.kernel.torch_ops import row_cumsum
 

@@ -442,3 +442,29 @@ def test_metrics_report_requests_tokens_latency_and_kv_pages(server: ServerProce
     pages = [m[f'minisgl_kv_pages{{state="{s}"}}'] for s in ("request", "cached", "free")]
     assert sum(pages) == 16384 and pages[1] > 0
     assert 0 < m["minisgl_prefix_cache_hit_rate"] < 1
+
+
+def _comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def test_only_the_scheduler_process_loads_torch(server: ServerProcess) -> None:
+    """The API server and the tokenizer start in a second, without torch: read off the libraries
+    each running child has mapped."""
+    maps = {_comm(pid): Path(f"/proc/{pid}/maps").read_text() for pid in server.children}
+    assert {"api-server", "tokenizer", "scheduler-0"} <= set(maps)
+    assert "libtorch" in maps["scheduler-0"]
+    assert "libtorch" not in maps["api-server"] and "libtorch" not in maps["tokenizer"]
+
+
+def test_a_stop_string_in_the_first_token_ends_the_reply_there(server: ServerProcess) -> None:
+    """The embedded model continues "Once upon a time," with " there was": the stop string is
+    found in the text as it is decoded, in context, and nothing past it is counted."""
+    kwargs = dict(model=MODEL, prompt="Once upon a time,", temperature=0, max_tokens=12)
+    for stream in (False, True):
+        got = server.client().completions.create(stop=[" there"], stream=stream, **kwargs)
+        chunks = list(got) if stream else [got]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ""
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    done = server.client().completions.create(stop=" was", **kwargs)
+    assert done.choices[0].text == " there" and done.usage.completion_tokens == 2

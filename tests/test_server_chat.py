@@ -3,11 +3,9 @@ multi-byte text), checked against the offline engine with the same seed."""
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from minisgl import LLM, SamplingParams
-from minisgl.messages import TokenizeRequest
-from minisgl.tokenizer import prompt_ids
+from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import DEVICE
@@ -33,6 +31,8 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
         model_path,
         "--max-kv-tokens",
         str(MAX_KV_TOKENS),
+        "--max-model-len",
+        str(MAX_KV_TOKENS),
     )
     yield s
     s.stop()
@@ -40,11 +40,17 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def llm(model_path: str) -> LLM:
-    return LLM(model_path, device=DEVICE, dtype="float32", max_kv_tokens=MAX_KV_TOKENS)
+    return LLM(
+        model_path,
+        device=DEVICE,
+        dtype="float32",
+        max_kv_tokens=MAX_KV_TOKENS,
+        max_model_len=MAX_KV_TOKENS,
+    )
 
 
 def _chat_ids(llm: LLM) -> list[int]:
-    return prompt_ids(llm.tokenizer, TokenizeRequest(0, SamplingParams(), messages=MESSAGES))
+    return prompt_ids(llm.tokenizer, None, MESSAGES)
 
 
 def test_chat_reply_equals_the_offline_engine_on_the_templated_prompt(
@@ -132,8 +138,7 @@ def test_chat_errors(server: ServerProcess, model_path: str) -> None:
 
 def test_chat_template_bos_is_not_doubled() -> None:
     """A template that writes the BOS itself gets exactly one."""
-    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_PATH))
-    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    request = TokenizeRequest(0, SamplingParams(), messages=[{"role": "user", "content": "Hi"}])
-    ids = prompt_ids(tokenizer, request)
+    tokenizer = load_tokenizer(DEFAULT_MODEL_PATH)
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    ids = prompt_ids(tokenizer, None, [{"role": "user", "content": "Hi"}], template)
     assert ids[0] == tokenizer.bos_token_id and tokenizer.bos_token_id not in ids[1:]

@@ -8,18 +8,23 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from minisgl import kernel
-from minisgl.attention import AttentionBackend, create_attention_backend
-from minisgl.core import Batch, Req, SamplingParams, build_batch, load_inputs
+from minisgl.attention import ATTENTION_BACKENDS
+from minisgl.attention.base import AttentionBackend
+from minisgl.core import Batch, BatchInputs, EngineLayout, Req, SamplingParams
+from minisgl.engine.context import ForwardBatch, load_inputs
+from minisgl.engine.engine import upload
 from minisgl.kernel import KVStore, torch_ops
 from minisgl.kernel import triton as triton_ops
-from minisgl.kvcache import KVPool
+from minisgl.kvcache.pool import KVPool
 from minisgl.llm import LLM
+from minisgl.scheduler.batch_builder import build_batch
 
 from .conftest import DEVICE
 
@@ -73,32 +78,63 @@ class PagedKV:
             locs = req_pages.repeat_interleave(page_size) * page_size + offsets[: n * page_size]
             self.page_table[slot, : n * page_size] = locs.int().to(DEVICE)
 
-    def batch(self, prefix_lens: list[int], extend_lens: list[int], padding: int = 0) -> Batch:
+    def batch(
+        self, prefix_lens: list[int], extend_lens: list[int], padding: int = 0
+    ) -> "DeviceBatch":
         """The batch computing tokens [prefix, prefix + extend) of each request, plus `padding`
         rows shaped like the CUDA-graph runner's (dummy slot, one token at position 0)."""
         slots = self.slots + [self.dummy_slot] * padding
         reqs = [Req(i, [0], SamplingParams(), seed=0, slot=s) for i, s in enumerate(slots)]
         prefix_lens, extend_lens = prefix_lens + [0] * padding, extend_lens + [1] * padding
         tokens = torch.zeros_like(self.page_table)
-        batch = build_batch(reqs, prefix_lens, extend_lens, self.page_table, tokens)
-        batch.upload(self.page_table.device)
-        load_inputs(batch, self.page_table, tokens)
-        return batch
+        rows, width = self.page_table.shape
+        layout = EngineLayout(1, 1, rows - 1, width, width, width, 1)
+        plan = build_batch(reqs, prefix_lens, extend_lens, layout)
+        inputs = upload(plan.inputs, self.page_table.device)
+        _, out_loc = load_inputs(inputs, self.page_table, tokens)
+        return DeviceBatch(plan, inputs, out_loc)
 
     def backend(self, name: str) -> AttentionBackend:
-        return create_attention_backend(name, self.pool, self.page_table)
+        return ATTENTION_BACKENDS.get(name)(self.pool, self.page_table)
+
+    def decode_args(self, batch: "DeviceBatch") -> tuple[torch.Tensor, ...]:
+        """What decode_attention takes after q: the pool, the page table, the batch's rows."""
+        inputs = batch.inputs
+        return (
+            self.pool.k_cache(0),
+            self.pool.v_cache(0),
+            self.page_table,
+            inputs.slots,
+            inputs.seq_lens,
+        )
 
 
-def attend(backend: AttentionBackend, batch: Batch, qkv: tuple[torch.Tensor, ...]) -> torch.Tensor:
+@dataclass
+class DeviceBatch:
+    """A batch as the engine holds it during a forward: its plan, its inputs on the device and
+    the pool locations its tokens' K/V go to."""
+
+    plan: Batch
+    inputs: BatchInputs
+    out_loc: torch.Tensor
+
+    def forward_batch(self, backend: AttentionBackend, prepare: bool = True) -> ForwardBatch:
+        """prepare: the backend's metadata, as for an eager forward (a graph replay has none)."""
+        metadata = backend.prepare(self.plan) if prepare else None
+        return ForwardBatch(self.plan.is_decode, self.inputs, self.out_loc, backend, metadata)
+
+
+def attend(
+    backend: AttentionBackend, batch: DeviceBatch, qkv: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
     q, k, v = qkv
     # the attention layer's part: the step's K/V go into the pool first
     torch_ops.store_kv(backend.pool.k_cache(0), backend.pool.v_cache(0), batch.out_loc, k, v)
-    backend.prepare(batch)
-    return backend.forward(q, 0, batch)
+    return backend.forward(q, 0, batch.forward_batch(backend))
 
 
-def new_qkv(batch: Batch, qo_heads: int, kv_heads: int, dtype: torch.dtype):
-    tokens = batch.num_tokens
+def new_qkv(batch: DeviceBatch, qo_heads: int, kv_heads: int, dtype: torch.dtype):
+    tokens = batch.plan.num_tokens
     return (
         randn(tokens, qo_heads, HEAD_DIM, dtype=dtype),
         randn(tokens, kv_heads, HEAD_DIM, dtype=dtype),
@@ -139,7 +175,7 @@ def test_decode_attention_matches_reference_for_any_split_count(num_splits, page
     q, k, v = new_qkv(batch, 6, 2, dtype)
     want = attend(kv.backend("torch"), batch, (q, k, v))
     counters = torch.zeros(len(seq_lens) * 2, dtype=torch.int32, device=DEVICE)
-    args = (kv.pool.k_cache(0), kv.pool.v_cache(0), kv.page_table, batch.slots, batch.seq_lens)
+    args = kv.decode_args(batch)
     # twice: the last split of each request resets its counter, so a second launch reduces too
     for _ in range(2):
         got = triton_ops.decode_attention(q, *args, num_splits, counters)
@@ -158,16 +194,17 @@ def test_decode_attention_matches_reference_with_and_without_prefetch(dtype):
     for seq_lens in ([1, 64, 65, 130], [1 + (37 * i) % 300 for i in range(17)]):
         kv = PagedKV(seq_lens, 1, 2, dtype)
         batch = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
-        assert sorted(batch.longest_first.tolist()) == list(range(len(seq_lens)))
-        assert batch.seq_lens[batch.longest_first.long()].diff().le(0).all()
+        longest_first = batch.inputs.longest_first
+        assert sorted(longest_first.tolist()) == list(range(len(seq_lens)))
+        assert batch.inputs.seq_lens[longest_first.long()].diff().le(0).all()
         q, k, v = new_qkv(batch, 4, 2, dtype)
         want = attend(kv.backend("torch"), batch, (q, k, v))
         counters = torch.zeros(len(seq_lens) * 2, dtype=torch.int32, device=DEVICE)
-        args = (kv.pool.k_cache(0), kv.pool.v_cache(0), kv.page_table, batch.slots, batch.seq_lens)
+        args = kv.decode_args(batch)
         shuffled = torch.randperm(len(seq_lens)).to(DEVICE, torch.int32)
         outputs = [
             triton_ops.decode_attention(q, *args, 2, counters, order)
-            for order in (None, batch.longest_first, shuffled)
+            for order in (None, longest_first, shuffled)
         ]
         for got in outputs:
             assert_close(got, want, ATTENTION_TOL[dtype])
@@ -178,7 +215,7 @@ def test_decode_attention_matches_reference_with_and_without_prefetch(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_runs_on_graph_static_metadata_with_padding_rows(dtype):
     """The CUDA-graph runner replays without prepare(), with padding rows that point at the dummy
-    slot: decode must need nothing beyond the Batch's own tensors."""
+    slot: decode must need nothing beyond the batch's own inputs."""
     torch.manual_seed(0)
     seq_lens = [40, 1, 90]
     kv = PagedKV(seq_lens, 16, 2, dtype)
@@ -190,7 +227,8 @@ def test_decode_runs_on_graph_static_metadata_with_padding_rows(dtype):
     padded = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens), padding)
     pad = lambda x: torch.cat([x, torch.zeros_like(x[:padding])])
     torch_ops.store_kv(kv.pool.k_cache(0), kv.pool.v_cache(0), padded.out_loc, pad(k), pad(v))
-    got = kv.backend("triton").forward(pad(q), 0, padded)
+    triton = kv.backend("triton")
+    got = triton.forward(pad(q), 0, padded.forward_batch(triton, prepare=False))
     assert_close(got[: len(seq_lens)], want, ATTENTION_TOL[dtype])
 
 
@@ -530,6 +568,7 @@ def test_llm_with_triton_backend_generates_the_torch_backend_tokens(checkpoint):
             attention_backend=backend,
             page_size=4,
             max_kv_tokens=512,
+            max_model_len=512,
             max_running_requests=4,
             chunk_size=32,
             cuda_graph_max_bs=4,

@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
-from minisgl.core import Req, SamplingParams, build_batch
-from minisgl.engine import Sampler
-from minisgl.kvcache import KVCacheManager
-from minisgl.utils import resolve_device
+from minisgl.core import EngineLayout, Req, SamplingParams
+from minisgl.engine.engine import upload
+from minisgl.engine.sampler import Sampler
+from minisgl.kvcache.manager import KVCacheManager
+from minisgl.scheduler.batch_builder import build_batch
+from minisgl.utils.torch_utils import resolve_device
 
 VOCAB_SIZE = 151936  # Qwen3's: where top-k is off, the sampler sends the vocabulary size
 
@@ -29,8 +31,7 @@ def time_steps(
 ) -> list[float]:
     """Seconds per scheduled decode step for batch_size requests of `context` tokens each."""
     width = context + steps + 1
-    page_table = torch.zeros((batch_size + 1, width), dtype=torch.int32, device=device)
-    token_table = torch.zeros_like(page_table)
+    layout = EngineLayout(batch_size * width, 1, batch_size, width, width, width, VOCAB_SIZE)
     kv = KVCacheManager(batch_size * width, 1, width, "radix")
     params = SamplingParams(temperature=temperature)
     reqs = [Req(i, [1] * context, params, seed=i, slot=i) for i in range(batch_size)]
@@ -47,8 +48,8 @@ def time_steps(
         start = time.perf_counter()
         assert kv.reserve_all([(req.slot, n + 1) for req, n in zip(reqs, lens, strict=True)])
         writes = kv.take_page_writes()
-        batch = build_batch(reqs, lens, [1] * batch_size, page_table, token_table, None, writes)
-        batch.upload(device)  # what the engine does in an eager step; a graph copies likewise
+        batch = build_batch(reqs, lens, [1] * batch_size, layout, None, writes)
+        upload(batch.inputs, device)  # what the engine does in an eager step; a graph copies alike
         sampler.prepare(batch)
         seconds.append(time.perf_counter() - start)
         assert batch.is_decode and batch.num_tokens == batch_size

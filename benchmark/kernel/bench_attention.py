@@ -14,10 +14,14 @@ import random
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from minisgl.attention import AttentionBackend, create_attention_backend
-from minisgl.core import Batch, Req, SamplingParams, build_batch
+from minisgl.attention import ATTENTION_BACKENDS
+from minisgl.attention.base import AttentionBackend
+from minisgl.core import Batch, BatchInputs, EngineLayout, Req, SamplingParams
+from minisgl.engine.context import ForwardBatch
+from minisgl.engine.engine import upload
 from minisgl.kernel.triton import decode_attention, decode_num_splits, extend_attention, num_sms
-from minisgl.kvcache import KVPool
+from minisgl.kvcache.pool import KVPool
+from minisgl.scheduler.batch_builder import build_batch
 
 QO_HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
 BATCH_SIZES = (1, 16, 64, 256)
@@ -52,27 +56,27 @@ class Setup:
     def bs(self) -> int:
         return len(self.ctx_lens)
 
-    def batch(self, extend_len: int) -> Batch:
-        """Every request computes its last `extend_len` tokens."""
+    def batch(self, extend_len: int) -> tuple[Batch, BatchInputs]:
+        """Every request computes its last `extend_len` tokens: the plan and its device inputs."""
         reqs = [Req(i, [0], SamplingParams(), seed=0, slot=i) for i in range(self.bs)]
         prefix_lens = [n - extend_len for n in self.ctx_lens]
-        tokens = torch.zeros_like(self.page_table)
-        batch = build_batch(reqs, prefix_lens, [extend_len] * self.bs, self.page_table, tokens)
-        batch.upload(self.page_table.device)
-        return batch
+        width = self.page_table.shape[1]
+        layout = EngineLayout(1, 1, self.bs, width, width, width, 1)  # the sink row: unused
+        plan = build_batch(reqs, prefix_lens, [extend_len] * self.bs, layout)
+        return plan, upload(plan.inputs, self.page_table.device)
 
-    def kernel_args(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+    def kernel_args(self, inputs: BatchInputs) -> tuple[torch.Tensor, ...]:
         """The pool and per-request arguments both attention kernels take after q."""
         return (
             self.pool.k_cache(0),
             self.pool.v_cache(0),
             self.page_table,
-            batch.slots,
-            batch.seq_lens,
+            inputs.slots,
+            inputs.seq_lens,
         )
 
     def backend(self, name: str) -> AttentionBackend:
-        return create_attention_backend(name, self.pool, self.page_table)
+        return ATTENTION_BACKENDS.get(name)(self.pool, self.page_table)
 
 
 def copy_bandwidth() -> float:
@@ -82,11 +86,14 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
 
 
-def check_against_torch(setup: Setup, batch: Batch, q: torch.Tensor) -> None:
+def check_against_torch(setup: Setup, plan: Batch, inputs: BatchInputs, q: torch.Tensor) -> None:
     outputs = []
     for name in ("torch", "triton"):
         backend = setup.backend(name)
-        backend.prepare(batch)
+        # the pool already holds every key: no token's KV is written here
+        batch = ForwardBatch(
+            plan.is_decode, inputs, inputs.positions, backend, backend.prepare(plan)
+        )
         outputs.append(backend.forward(q, 0, batch).float())
     error = (outputs[0] - outputs[1]).abs().max().item()
     assert error < TOLERANCE[q.dtype], f"bs {setup.bs}: max error {error}"
@@ -95,13 +102,13 @@ def check_against_torch(setup: Setup, batch: Batch, q: torch.Tensor) -> None:
 def bench_decode(
     setup: Setup, dtype: torch.dtype, copy_bw: float, splits: int | None = None
 ) -> list[str]:
-    batch = setup.batch(1)
+    plan, inputs = setup.batch(1)
     q = torch.randn(setup.bs, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
-    check_against_torch(setup, batch, q)
+    check_against_torch(setup, plan, inputs, q)
     splits = splits or decode_num_splits(setup.bs, KV_HEADS, num_sms(q.device))
-    args = setup.kernel_args(batch)
+    args = setup.kernel_args(inputs)
     counters = torch.zeros(setup.bs * KV_HEADS, dtype=torch.int32, device="cuda")
-    order = batch.longest_first
+    order = inputs.longest_first
     seconds = do_bench_cudagraph(lambda: decode_attention(q, *args, splits, counters, order)) * 1e-3
     bytes_per_s = 2 * sum(setup.ctx_lens) * KV_HEADS * HEAD_DIM * dtype.itemsize / seconds
     return [
@@ -115,14 +122,12 @@ def bench_decode(
 def bench_extend(setup: Setup, dtype: torch.dtype) -> list[str]:
     """A quarter of each context is new, after a cached prefix."""
     extend_len = min(setup.ctx_lens) // 4
-    batch = setup.batch(extend_len)
-    q = torch.randn(batch.num_tokens, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
-    check_against_torch(setup, batch, q)
-    backend = setup.backend("triton")
-    backend.prepare(batch)
-    meta = batch.attn_metadata
-    args = setup.kernel_args(batch)
-    blocks = (batch.cu_seqlens_q, meta.block_req, meta.block_start)
+    plan, inputs = setup.batch(extend_len)
+    q = torch.randn(plan.num_tokens, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    check_against_torch(setup, plan, inputs, q)
+    meta = setup.backend("triton").prepare(plan)
+    args = setup.kernel_args(inputs)
+    blocks = (inputs.cu_seqlens_q, meta.block_req, meta.block_start)
     seconds = do_bench_cudagraph(lambda: extend_attention(q, *args, *blocks)) * 1e-3
     keys_seen = sum(
         extend_len * (n - extend_len) + extend_len * (extend_len + 1) // 2 for n in setup.ctx_lens

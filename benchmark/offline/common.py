@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from minisgl.kvcache import KVPool
+from minisgl.kvcache.pool import KVPool
 from minisgl.llm import LLM
 
 QWEN3_SHAPE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "qwen3-tokenizer"

@@ -25,7 +25,8 @@ from common import (
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
-from minisgl.utils import cached_load_hf_config, resolve_device
+from minisgl.utils.hf import cached_load_hf_config
+from minisgl.utils.torch_utils import resolve_device
 
 GOAL_TOK_S = 1500  # the goal for one request on an H200
 

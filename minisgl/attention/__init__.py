@@ -1,29 +1,21 @@
-import torch
+"""Attention backends over the paged KV pool, chosen by name (`--attention-backend`)."""
 
-from minisgl.kvcache import KVPool
-from minisgl.utils import Registry
+import os
 
-from .base import AttentionBackend
-from .torch_backend import TorchBackend
-
-ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention backend")
-ATTENTION_BACKENDS.register("torch")(TorchBackend)
+from minisgl.utils.registry import Registry
 
 
-@ATTENTION_BACKENDS.register("triton")
-def _triton_backend(pool: KVPool, page_table: torch.Tensor) -> AttentionBackend:
-    from .triton_backend import TritonBackend  # imported when chosen: needs triton installed
-
-    return TritonBackend(pool, page_table)
+def _triton_runs_on(device_type: str) -> bool:
+    """Triton compiles for CUDA; on the CPU only its interpreter runs it (TRITON_INTERPRET=1)."""
+    return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def create_attention_backend(name: str, pool: KVPool, page_table: torch.Tensor) -> AttentionBackend:
-    return ATTENTION_BACKENDS.get(name)(pool, page_table)
+ATTENTION_BACKENDS: Registry = Registry(
+    "attention backend", auto={"cuda": "triton", "cpu": "torch"}
+)
+ATTENTION_BACKENDS.register("torch", "minisgl.attention.torch_backend:TorchBackend")
+ATTENTION_BACKENDS.register(
+    "triton", "minisgl.attention.triton_backend:TritonBackend", runs_on=_triton_runs_on
+)
 
-
-__all__ = [
-    "ATTENTION_BACKENDS",
-    "AttentionBackend",
-    "TorchBackend",
-    "create_attention_backend",
-]
+__all__ = ["ATTENTION_BACKENDS"]

@@ -1,9 +1,14 @@
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from minisgl.core import Batch
-
 from .base import AttentionBackend
+
+if TYPE_CHECKING:
+    from minisgl.engine.context import ForwardBatch
 
 
 class TorchBackend(AttentionBackend):
@@ -13,13 +18,13 @@ class TorchBackend(AttentionBackend):
 
     supports_cuda_graph = False
 
-    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[1]
-        cu = batch.cu_seqlens_q.tolist()
+        cu = batch.inputs.cu_seqlens_q.tolist()
         for i, (slot, seq_len) in enumerate(
-            zip(batch.slots.tolist(), batch.seq_lens.tolist(), strict=True)
+            zip(batch.inputs.slots.tolist(), batch.inputs.seq_lens.tolist(), strict=True)
         ):
             start, end = cu[i], cu[i + 1]
             if start == end:

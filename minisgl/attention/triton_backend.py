@@ -1,4 +1,7 @@
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,10 +13,13 @@ from minisgl.kernel.triton import (
     extend_blocks,
     num_sms,
 )
-from minisgl.kvcache import KVPool
-from minisgl.utils import pack_to_device
+from minisgl.kvcache.pool import KVPool
+from minisgl.utils.torch_utils import pack_to_device
 
 from .base import AttentionBackend
+
+if TYPE_CHECKING:
+    from minisgl.engine.context import ForwardBatch
 
 
 @dataclass
@@ -37,22 +43,23 @@ class TritonBackend(AttentionBackend):
             page_table.shape[0] * num_kv_heads, dtype=torch.int32, device=page_table.device
         )
 
-    def prepare(self, batch: Batch) -> None:
+    def prepare(self, batch: Batch) -> ExtendMetadata | None:
         if batch.is_decode:
-            return
+            return None
         block_req, block_start = extend_blocks(batch.extend_lens)
         t = pack_to_device(
             self.page_table.device, torch.int32, block_req=block_req, block_start=block_start
         )
-        batch.attn_metadata = ExtendMetadata(block_req=t["block_req"], block_start=t["block_start"])
+        return ExtendMetadata(block_req=t["block_req"], block_start=t["block_start"])
 
-    def forward(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
+        inputs = batch.inputs
         if batch.is_decode:
             num_splits = decode_num_splits(q.shape[0], k_cache.shape[1], num_sms(q.device))
             return decode_attention(
-                q, k_cache, v_cache, self.page_table, batch.slots, batch.seq_lens, num_splits,
-                self.split_counters, batch.longest_first,
+                q, k_cache, v_cache, self.page_table, inputs.slots, inputs.seq_lens, num_splits,
+                self.split_counters, inputs.longest_first,
             )  # fmt: skip
         meta: ExtendMetadata = batch.attn_metadata
         return extend_attention(
@@ -60,9 +67,9 @@ class TritonBackend(AttentionBackend):
             k_cache,
             v_cache,
             self.page_table,
-            batch.slots,
-            batch.seq_lens,
-            batch.cu_seqlens_q,
+            inputs.slots,
+            inputs.seq_lens,
+            inputs.cu_seqlens_q,
             meta.block_req,
             meta.block_start,
         )

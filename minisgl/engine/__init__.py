@@ -1,5 +1,4 @@
-from .config import EngineConfig
-from .engine import Engine, ForwardOutput
-from .sampler import SampleOutput, Sampler, SamplingArgs
+"""The engine: model + KV pool + attention backend + sampler (+ CUDA graphs), in `engine.engine`.
 
-__all__ = ["Engine", "EngineConfig", "ForwardOutput", "SampleOutput", "Sampler", "SamplingArgs"]
+This package's top level imports nothing, so that `engine.context`, which the layers read, can be
+imported below the engine."""

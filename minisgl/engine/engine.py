@@ -10,23 +10,29 @@ same entry of the table's pinned host copy is where the host reads it.
 
 import functools
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from minisgl.attention import create_attention_backend
-from minisgl.core import Batch, get_global_ctx, load_inputs
+from minisgl.attention import ATTENTION_BACKENDS
+from minisgl.attention.base import AttentionBackend
+from minisgl.config import EngineConfig, check_kv_capacity, max_seq_len
+from minisgl.core import Batch, BatchInputs, EngineLayout
 from minisgl.distributed import set_tp_info
 from minisgl.kernel import sample_tokens
-from minisgl.kvcache import KVPool
+from minisgl.kvcache.pool import KVPool
+from minisgl.layers.linear import local_kv_heads
 from minisgl.models import CausalLM, ModelConfig, load_model
-from minisgl.utils import cached_load_hf_config, init_logger, resolve_device, resolve_dtype
+from minisgl.utils import init_logger
+from minisgl.utils.hf import cached_load_hf_config
+from minisgl.utils.torch_utils import pack_to_device, resolve_device, resolve_dtype
 
-from .config import EngineConfig
+from .context import ForwardBatch, forward_context, load_inputs
 from .graph import GraphRunner
-from .sampler import SampleOutput, Sampler, SamplingArgs
+from .sampler import SampleOutput, Sampler
 
 logger = init_logger(__name__)
 
@@ -53,173 +59,143 @@ class ForwardOutput:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        start = time.monotonic()
         self.config = config
-        self.device = resolve_device(config.device)
-        if self.device.type == "cuda" and config.tp_size > 1:
-            self.device = torch.device("cuda", config.tp_rank)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = _init_device(config)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        set_tp_info(config.tp_rank, config.tp_size)
-        if config.tp_size > 1:
-            self._init_distributed(config)
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.tp_size))
-        torch.manual_seed(0)
-
         self.model_config = ModelConfig.from_hf(cached_load_hf_config(config.model_path))
-        mc = self.model_config
+        self.num_kv_heads = local_kv_heads(self.model_config.num_kv_heads, config.tp_size)
         free_before = _free_memory(self.device)
         self.model = load_model(
-            config.model_path, mc, self.device, self.dtype, config.dummy_weights
+            config.model_path, self.model_config, self.device, self.dtype, config.dummy_weights
         )
-
-        self.num_pages = self._num_pages(free_before)
-        self.page_size = config.page_size
-        num_kv_heads = self.model.model.layers[0].self_attn.attn.num_kv_heads
-        self.pool = KVPool(
-            mc.num_layers,
-            self.num_pages,
-            self.page_size,
-            num_kv_heads,
-            mc.head_dim,
-            self.dtype,
-            self.device,
+        self.weight_bytes = sum(
+            t.numel() * t.element_size() for t in self.model.state_dict().values()
         )
-        # the longest sequence: what positions the model knows and the pool can hold
-        self.max_seq_len = min(mc.max_position_embeddings, self.num_pages * self.page_size)
-        width = -(-self.max_seq_len // self.page_size) * self.page_size
-        self.dummy_slot = config.max_running_requests  # the last row is the padding request's
-        self.page_table = torch.zeros(
-            (config.max_running_requests + 1, width), dtype=torch.int32, device=self.device
+        self.max_seq_len = max_seq_len(config, self.model_config.max_position_embeddings)
+        self.pool = self._build_pool(free_before)
+        self._build_tables()
+        self.attn_backend_name = ATTENTION_BACKENDS.resolve(
+            config.attention_backend, self.device.type
         )
-        self.page_table[self.dummy_slot] = self.pool.dummy_loc
-        # a row of token ids per slot; the last row is a sink for tokens that are not kept
-        self.token_table = torch.zeros(
-            (config.max_running_requests + 1, self.max_seq_len),
-            dtype=torch.int32,
-            device=self.device,
+        self.attn_backend: AttentionBackend = ATTENTION_BACKENDS.get(self.attn_backend_name)(
+            self.pool, self.page_table
         )
-        # its copy in pinned host memory, for the sampled tokens only: the sampling kernel writes
-        # each one into both, and the host reads it here. A copy to the host after each step
-        # held the next step back ~10 us on an H200 (benchmark/RESULTS.md)
-        self.host_token_table = torch.zeros(
-            self.token_table.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda"
-        )
-        self._host_tokens = self.host_token_table.numpy().reshape(-1)  # a view, for reads
-
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        self.attn_backend = create_attention_backend(backend, self.pool, self.page_table)
-        self.sampler = Sampler(mc.vocab_size, self.device)
+        self.sampler = Sampler(self.model_config.vocab_size, self.device)
         sample_counters = torch.zeros(
             config.max_running_requests, dtype=torch.int32, device=self.device
         )
         # not a bound method: the graph runner holds it, and must not keep the engine alive
         self._step = functools.partial(
-            _forward_step,
-            self.model,
-            self.page_table,
-            self.token_table,
-            self.host_token_table,
-            sample_counters,
-        )
-
+            _forward_step, self.model, self.attn_backend, self.page_table, self.token_table,
+            self.host_token_table, sample_counters,
+        )  # fmt: skip
         if self.device.type == "cuda":
             self._warm_up_lm_head(config.max_running_requests)
+        self.graph_runner = self._capture_graphs()
+        self.layout = EngineLayout(
+            num_pages=self.pool.num_pages,
+            page_size=config.page_size,
+            num_slots=config.max_running_requests,
+            page_table_width=self.page_table.shape[1],
+            token_table_width=self.token_table.shape[1],
+            max_seq_len=self.max_seq_len,
+            vocab_size=self.model_config.vocab_size,
+        )
+        self.build_seconds = time.monotonic() - start
 
-        max_bs = config.cuda_graph_max_bs
-        if max_bs is None:
-            max_bs = config.max_running_requests if self.device.type == "cuda" else 0
-        if max_bs > 0 and self.device.type == "cuda" and not self.attn_backend.supports_cuda_graph:
-            logger.warning("the %s attention backend runs without CUDA graphs", backend)
-            max_bs = 0
-        self.graph_runner = None
-        if max_bs > 0:
-            self.graph_runner = GraphRunner(
-                self._step,
-                self.attn_backend,
-                min(max_bs, config.max_running_requests),
-                self.dummy_slot,
-                self.page_table.shape[1],
-                self.token_table.shape[1],
-                self.pool.dummy_loc,
-                self.device,
-            )
-        logger.info(
-            "engine ready: %s on %s (%s), %d KV pages of %d tokens, max_seq_len %d",
-            mc.architecture,
+    # ------------------------------------------------------------------ building
+    def _build_pool(self, free_before: int) -> KVPool:
+        c, mc = self.config, self.model_config
+        per_token = KVPool.bytes_per_token(
+            mc.num_layers, self.num_kv_heads, mc.head_dim, self.dtype
+        )
+        if c.max_kv_tokens is not None:
+            tokens = c.max_kv_tokens
+        else:
+            if self.device.type == "cuda":
+                used_by_model = free_before - _free_memory(self.device)
+                budget = int(c.gpu_memory_utilization * free_before) - used_by_model
+            else:  # host memory is shared with everything else: take a modest share
+                budget = int(0.2 * free_before)
+            tokens = min(budget // per_token, c.max_running_requests * self.max_seq_len)
+        if c.tp_size > 1:  # every rank must agree on the pool size
+            t = torch.tensor([tokens], device=self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            tokens = int(t.item())
+        num_pages = -(-tokens // c.page_size)
+        check_kv_capacity(num_pages * c.page_size, self.max_seq_len)
+        return KVPool(
+            mc.num_layers, num_pages, c.page_size, self.num_kv_heads, mc.head_dim, self.dtype,
             self.device,
-            self.dtype,
-            self.num_pages,
-            self.page_size,
-            self.max_seq_len,
-        )
+        )  # fmt: skip
 
-    def _init_distributed(self, config: EngineConfig) -> None:
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=config.dist_init_method,
-            rank=config.tp_rank,
-            world_size=config.tp_size,
+    def _build_tables(self) -> None:
+        rows = self.config.max_running_requests + 1  # the last row: padding request / sink
+        page_size = self.config.page_size
+        width = -(-self.max_seq_len // page_size) * page_size
+        if rows * max(width, self.max_seq_len) >= 2**31:
+            raise ValueError("the page and token tables need int32 entries: fewer slots or tokens")
+        self.dummy_slot = rows - 1
+        self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
+        self.page_table[self.dummy_slot] = self.pool.dummy_loc
+        self.token_table = torch.zeros(
+            (rows, self.max_seq_len), dtype=torch.int32, device=self.device
         )
+        # its copy in pinned host memory, for the sampled tokens only: the sampling kernel writes
+        # each one into both, and the host reads it here. A copy to the host after each step
+        # held the next step back ~10 us on an H200
+        self.host_token_table = torch.zeros(
+            self.token_table.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda"
+        )
+        self._host_tokens = self.host_token_table.numpy().reshape(-1)  # a view, for reads
 
     def _warm_up_lm_head(self, max_rows: int) -> None:
         """Run the LM head once at every row count a step can give it (one per sampled request).
-        On an H200 a call at a row count new to the process cost the host ~3 ms, and in a
-        prefill step, whose sampled rows grow from step to step, such calls held the host until
-        the GPU had run out of work: 4.8-5.9 ms of idle GPU before most prefill steps of the
-        offline benchmark (RESULTS.md). Paid here instead, as vLLM warms its kernels up."""
+        On an H200 a cuBLAS call at a row count new to the process cost the host ~3 ms, and in a
+        prefill step such calls held the host until the GPU had run out of work."""
         lm_head, norm = self.model.lm_head, self.model.model.norm
         shape = (max_rows, self.model_config.hidden_size)
         x, residual = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
         for rows in range(1, max_rows + 1):
             lm_head.logits(x[:rows], residual[:rows], norm)
 
-    def _num_pages(self, free_before: int) -> int:
-        c, mc = self.config, self.model_config
-        if c.max_kv_tokens is not None:
-            return -(-c.max_kv_tokens // c.page_size)
-        num_kv_heads = self.model.model.layers[0].self_attn.attn.num_kv_heads
-        per_token = KVPool.bytes_per_token(mc.num_layers, num_kv_heads, mc.head_dim, self.dtype)
-        if self.device.type == "cuda":
-            used_by_model = free_before - _free_memory(self.device)
-            budget = int(c.memory_fraction * free_before) - used_by_model
-        else:  # host memory is shared with everything else: take a modest share
-            budget = int(0.2 * free_before)
-        tokens = min(budget // per_token, c.max_running_requests * mc.max_position_embeddings)
-        if c.tp_size > 1:  # every rank must agree on the pool size
-            t = torch.tensor([tokens], device=self.device if self.device.type == "cuda" else "cpu")
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            tokens = int(t.item())
-        if tokens < c.page_size:
-            raise RuntimeError(f"no memory left for the KV cache ({budget} bytes)")
-        return tokens // c.page_size
+    def _capture_graphs(self) -> GraphRunner | None:
+        c = self.config
+        max_bs = c.cuda_graph_max_bs
+        if max_bs is None:
+            max_bs = c.max_running_requests if self.device.type == "cuda" else 0
+        if max_bs > 0 and self.device.type == "cuda" and not self.attn_backend.supports_cuda_graph:
+            logger.warning(
+                "the %s attention backend runs without CUDA graphs", self.attn_backend_name
+            )
+            max_bs = 0
+        if max_bs == 0:
+            return None
+        return GraphRunner(
+            self._step,
+            min(max_bs, c.max_running_requests),
+            self.dummy_slot,
+            self.page_table.shape[1],
+            self.token_table.shape[1],
+            self.pool.dummy_loc,
+            self.device,
+        )
 
-    def forward_logits(self, batch: Batch) -> torch.Tensor:
-        """Compute one batch; logits for each request's last token (every token if all_logits)."""
-        self.attn_backend.prepare(batch)
-        batch.upload(self.device)
-        with get_global_ctx().forward_batch(batch, self.attn_backend):
-            load_inputs(batch, self.page_table, self.token_table)
-            return self.model.forward()
-
-    def forward(self, batch: Batch, args: SamplingArgs) -> ForwardOutput:
+    # ------------------------------------------------------------------ computing
+    def forward(self, batch: Batch) -> ForwardOutput:
         """Compute one batch and sample one token per request."""
-        assert not batch.all_logits
-        self.attn_backend.prepare(batch)
+        args = self.sampler.prepare(batch)
         sampling = args.in_step
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            logits, step_tokens = self.graph_runner.run(batch, sampling)
+            logits, step_tokens, inputs = self.graph_runner.run(batch, sampling)
         else:
-            batch.upload(self.device)
-            with get_global_ctx().forward_batch(batch, self.attn_backend):
-                logits, step_tokens = self._step(batch, sampling)
+            inputs = upload(batch.inputs, self.device)
+            metadata = self.attn_backend.prepare(batch)
+            logits, step_tokens = self._step(batch.is_decode, inputs, metadata, sampling)
         out = self.sampler.sample(logits, step_tokens, args)
         if args.filtered:  # the tokens drawn after the step replace the ones it wrote
-            self.token_table.view(-1).scatter_(0, batch.sample_entries, out.tokens)
+            self.token_table.view(-1).scatter_(0, inputs.sample_entries, out.tokens)
         copies = None
         if args.filtered or args.num_logprobs >= 0:
             copies = SampleOutput(*(None if t is None else _to_host(t) for t in vars(out).values()))
@@ -229,30 +205,60 @@ class Engine:
             done.record()
         if copies is not None:
             return ForwardOutput(done, copies)
-        entries = np.asarray(batch.host_inputs["sample_entries"])
+        entries = np.asarray(batch.inputs.sample_entries)
         return ForwardOutput(done, host_entries=entries, host_table=self._host_tokens)
+
+
+def upload(host: BatchInputs, device: torch.device) -> BatchInputs[torch.Tensor]:
+    """A batch's host inputs on the device, in one transfer."""
+    return BatchInputs(**pack_to_device(device, torch.int32, **host.columns()))
 
 
 def _forward_step(
     model: CausalLM,
+    attn_backend: AttentionBackend,
     page_table: torch.Tensor,
     token_table: torch.Tensor,
     host_token_table: torch.Tensor,
     sample_counters: torch.Tensor,
-    batch: Batch,
+    is_decode: bool,
+    inputs: BatchInputs[torch.Tensor],
+    attn_metadata: object,
     sampling: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and each row's token, already written into the token table: the part of a step
-    that a CUDA graph captures. sampling: (temperatures, uniforms), a temperature of 0 marking a
-    greedy row; None: every row greedy. Runs inside `forward_batch`."""
-    load_inputs(batch, page_table, token_table)
-    logits = model.forward()
+    that a CUDA graph captures. sampling: (temperatures, uniforms), a temperature of 0
+    marking a greedy row; None: every row greedy."""
+    input_ids, out_loc = load_inputs(inputs, page_table, token_table)
+    with forward_context(ForwardBatch(is_decode, inputs, out_loc, attn_backend, attn_metadata)):
+        logits = model.forward(input_ids)
     temperatures, uniforms = sampling if sampling is not None else (None, None)
     tokens = sample_tokens(
-        logits, token_table, batch.sample_entries, sample_counters, temperatures, uniforms,
+        logits, token_table, inputs.sample_entries, sample_counters, temperatures, uniforms,
         host_token_table,
     )  # fmt: skip
     return logits, tokens
+
+
+def _init_device(config: EngineConfig) -> torch.device:
+    """This rank's device, TP group and CPU threads."""
+    device = resolve_device(config.device)
+    if device.type == "cuda" and config.tp_size > 1:
+        device = torch.device("cuda", config.tp_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    set_tp_info(config.tp_rank, config.tp_size)
+    if config.tp_size > 1:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=config.dist_init_method,
+            rank=config.tp_rank,
+            world_size=config.tp_size,
+        )
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.tp_size))
+    torch.manual_seed(0)  # dummy weights: the same random model in every run
+    return device
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -9,26 +9,32 @@ CPU without capture, so CI checks the padding logic against the plain forward.
 
 import bisect
 from collections.abc import Callable
+from dataclasses import fields
 
 import numpy as np
 import torch
 
-from minisgl.attention import AttentionBackend
-from minisgl.core import Batch, get_global_ctx
-from minisgl.utils import copy_to_device, init_logger
+from minisgl.core import Batch, BatchInputs
+from minisgl.utils import init_logger
+from minisgl.utils.torch_utils import copy_to_device
 
 logger = init_logger(__name__)
 
-# (batch, (temperatures, uniforms) or None: all greedy) -> (logits, tokens); inside forward_batch
+# (is_decode, inputs, attention metadata, (temperatures, uniforms) or None: all greedy)
+#   -> (logits, tokens)
 Sampling = tuple[torch.Tensor, torch.Tensor] | None
-StepFn = Callable[[Batch, Sampling], tuple[torch.Tensor, torch.Tensor]]
+StepFn = Callable[[bool, BatchInputs[torch.Tensor], object, Sampling], tuple[torch.Tensor, ...]]
 
-# the inputs a decode batch has one entry of per request, then its page-table write (a decode
-# adds at most one page per request): the rows of a captured size's static input block
-_ROWS = (
-    "positions", "token_entries", "page_entries", "slots", "seq_lens", "longest_first",
-    "sample_entries", "page_write_entries", "page_write_values",
-)  # fmt: skip
+# The rows of a captured size's static input block: a decode batch's inputs with one entry per
+# request (its page-table writes too: a decode adds at most one page per request). cu_seqlens_q
+# and last_indices of a decode are ranges, and a batch a graph runs writes no token ids.
+_RANGES = ("cu_seqlens_q", "last_indices")
+_ROWS = tuple(
+    f.name
+    for f in fields(BatchInputs)
+    if f.name not in (*_RANGES, "token_write_entries", "token_write_values")
+)
+_PAGE_WRITES = ("page_write_entries", "page_write_values")
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -41,7 +47,6 @@ class GraphRunner:
     def __init__(
         self,
         step: StepFn,
-        attn_backend: AttentionBackend,
         max_bs: int,
         dummy_slot: int,
         page_table_width: int,
@@ -50,7 +55,6 @@ class GraphRunner:
         device: torch.device,
     ) -> None:
         self.step = step
-        self.attn_backend = attn_backend
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = max_bs
         # Padding rows: any token at position 0 of the dummy slot, reading and rewriting the dummy
@@ -78,47 +82,32 @@ class GraphRunner:
         self._sampling = torch.zeros((2, max_bs), dtype=torch.float32, device=device)
         self._sampling_is_zero = True
         self._rows = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        self._batches = {bs: self._static_batch(bs) for bs in self.sizes}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         if device.type == "cuda":
             self._capture_all(device)
 
-    def _static_batch(self, bs: int) -> Batch:
-        # no Req objects: layers only read the tensors; one new token per row in a decode
-        batch = Batch(
-            reqs=[], prefix_lens=[], extend_lens=[], sample_rows=[], is_decode=True, host_inputs={}
+    def static_inputs(self, padded: int, rows: int, num_writes: int) -> BatchInputs[torch.Tensor]:
+        """The first `rows` columns of size `padded`'s static inputs, of which the first
+        `num_writes` page writes (a captured size's own: all of them)."""
+        block = dict(zip(_ROWS, self._inputs[padded], strict=True))
+        views = {name: t[:rows] for name, t in block.items() if name not in _PAGE_WRITES}
+        if num_writes > 0:
+            views |= {name: block[name][:num_writes] for name in _PAGE_WRITES}
+        return BatchInputs(
+            cu_seqlens_q=self._rows[: rows + 1], last_indices=self._rows[:rows], **views
         )
-        batch.set_device_inputs(self._views(bs, bs, bs))
-        return batch
-
-    def _views(self, padded: int, rows: int, num_writes: int) -> dict[str, torch.Tensor]:
-        """By input name, the first `rows` columns of size `padded`'s static inputs, of which the
-        first `num_writes` page writes."""
-        views = {name: t[:rows] for name, t in zip(_ROWS, self._inputs[padded], strict=True)}
-        views["cu_seqlens_q"], views["last_indices"] = self._rows[: rows + 1], self._rows[:rows]
-        for name in ("page_write_entries", "page_write_values"):
-            if num_writes > 0:
-                views[name] = views[name][:num_writes]
-            else:
-                del views[name]
-        return views
 
     def _capture_all(self, device: torch.device) -> None:
-        ctx = get_global_ctx()
         pool = None
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            for bs in reversed(
-                self.sizes
-            ):  # largest first, so smaller graphs reuse its memory pool
-                batch = self._batches[bs]
-                sampling = self._static_sampling(bs)
-                with ctx.forward_batch(batch, self.attn_backend):
-                    self.step(batch, sampling)  # warm-up: lazy initialisation stays out
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        logits, tokens = self.step(batch, sampling)
+            for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+                inputs, sampling = self.static_inputs(bs, bs, bs), self._static_sampling(bs)
+                self.step(True, inputs, None, sampling)  # warm-up: lazy initialisation stays out
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits, tokens = self.step(True, inputs, None, sampling)
                 pool = graph.pool()
                 self._graphs[bs] = (graph, logits, tokens)
         torch.cuda.current_stream(device).wait_stream(stream)
@@ -130,17 +119,19 @@ class GraphRunner:
         return (
             batch.is_decode
             and batch.size <= self.max_bs
-            and batch.num_writes("token") == 0
-            and batch.num_writes("page") <= batch.size
+            and batch.num_token_writes == 0
+            and batch.num_page_writes <= batch.size
         )
 
     def _static_sampling(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._sampling[0, :bs], self._sampling[1, :bs]
 
-    def run(self, batch: Batch, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, batch: Batch, sampling: Sampling
+    ) -> tuple[torch.Tensor, torch.Tensor, BatchInputs[torch.Tensor]]:
         """Upload the batch's inputs into the static ones and replay; returns its logits and
-        tokens (already written into the token table). sampling: (temperatures, uniforms), or
-        None when every row is greedy."""
+        tokens (already written into the token table) and its own part of the static inputs.
+        sampling: (temperatures, uniforms), or None when every row is greedy."""
         bs = batch.size
         if sampling is not None:  # padding columns keep older values: their tokens are not kept
             torch.stack(sampling, out=self._sampling[:, :bs])
@@ -150,16 +141,14 @@ class GraphRunner:
             self._sampling_is_zero = True
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         image = self._images[padded].copy()  # a fresh array: the last one may still be in flight
-        columns = batch.host_inputs
-        num_writes = batch.num_writes("page")
+        columns = batch.inputs.columns()
+        num_writes = batch.num_page_writes
         for i, row in enumerate(_ROWS):
             if row in columns:
-                image[i, : num_writes if row.startswith("page_write") else bs] = columns[row]
+                image[i, : num_writes if row in _PAGE_WRITES else bs] = columns[row]
         copy_to_device(torch.from_numpy(image), self._inputs[padded])
-        # the batch's own part of them, for what reads the batch after the step
-        batch.set_device_inputs(self._views(padded, bs, num_writes))
         logits, tokens = self.replay(padded)
-        return logits[:bs], tokens[:bs]
+        return logits[:bs], tokens[:bs], self.static_inputs(padded, bs, num_writes)
 
     def replay(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step of captured size bs on whatever its static inputs hold. Replayed alone in
@@ -169,5 +158,4 @@ class GraphRunner:
             graph.replay()
             return logits, tokens
         # the CPU twin: same static buffers, no capture
-        with get_global_ctx().forward_batch(self._batches[bs], self.attn_backend):
-            return self.step(self._batches[bs], self._static_sampling(bs))
+        return self.step(True, self.static_inputs(bs, bs, bs), None, self._static_sampling(bs))

@@ -13,7 +13,7 @@ import torch
 
 from minisgl.core import Batch
 from minisgl.kernel.torch_ops import inverse_cdf, row_cumsum
-from minisgl.utils import pack_to_device
+from minisgl.utils.torch_utils import pack_to_device
 
 _U32 = np.uint32
 
@@ -117,7 +117,10 @@ class Sampler:
             ints = pack_to_device(
                 self.device,
                 torch.int64,
-                top_k=[p.top_k if p.top_k > 0 else self.vocab_size for p in params],
+                top_k=[
+                    min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size
+                    for p in params
+                ],
                 greedy=greedy,
             )
         return SamplingArgs(
@@ -156,7 +159,7 @@ class Sampler:
         if args.use_min_p:
             threshold = args.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
-        return inverse_cdf(probs, args.uniforms)
+        return inverse_cdf(probs, args.uniforms, logits.argmax(dim=-1))
 
 
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

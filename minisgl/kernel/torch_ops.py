@@ -128,21 +128,28 @@ def row_cumsum(x: torch.Tensor) -> torch.Tensor:
     return x.cumsum(dim=-1)
 
 
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(
+    probs: torch.Tensor, uniforms: torch.Tensor, fallback: torch.Tensor
+) -> torch.Tensor:
     """Per row, the first index where the running sum of probs reaches uniforms * the row's sum.
-    A token of probability 0 is never picked (uniforms are in (0, 1))."""
+    A token of probability 0 is never picked (uniforms are in (0, 1)). A row whose sum is not a
+    positive finite number (NaN probabilities) takes its `fallback` token instead: no row can pick
+    an index outside the vocabulary."""
     cdf = row_cumsum(probs)  # fp32 sums of non-negative numbers never decrease: stays sorted
     total = cdf[:, -1:]
-    return torch.searchsorted(cdf, torch.minimum(uniforms[:, None] * total, total)).squeeze(1)
+    picked = torch.searchsorted(cdf, torch.minimum(uniforms[:, None] * total, total)).squeeze(1)
+    valid = torch.isfinite(total[:, 0]) & (total[:, 0] > 0)
+    return torch.where(valid, picked, fallback.to(picked.dtype))
 
 
 def sample_temperature(
     logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
 ) -> torch.Tensor:
     """One token per row of logits [bs, vocab] from softmax(logits / temperature), driven by the
-    given uniform numbers. Returns [bs] int32."""
+    given uniform numbers; a row whose probabilities are not finite takes its argmax. Returns [bs]
+    int32."""
     probs = torch.softmax(logits.float() / temperatures[:, None], dim=-1)
-    return inverse_cdf(probs, uniforms).to(torch.int32)
+    return inverse_cdf(probs, uniforms, logits.argmax(dim=-1)).to(torch.int32)
 
 
 def sample_tokens(

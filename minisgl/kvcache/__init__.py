@@ -1,15 +1,22 @@
-from .allocator import PageAllocator
-from .manager import PREFIX_CACHES, KVCacheManager
-from .pool import KVPool
-from .prefix_cache import NaiveCache, PrefixCache
-from .radix_cache import RadixCache
+"""The paged KV cache: the pool on the device (`pool`), and on the host the page allocator, the
+prefix caches and the manager that decides each slot's pages (`manager`). The prefix cache is
+chosen by name (`--cache`)."""
 
-__all__ = [
-    "PREFIX_CACHES",
-    "KVCacheManager",
-    "KVPool",
-    "NaiveCache",
-    "PageAllocator",
-    "PrefixCache",
-    "RadixCache",
-]
+from minisgl.utils.registry import Registry
+
+
+class IntegrityError(Exception):
+    """The KV cache's accounting is inconsistent (a page lost, shared or double-counted)."""
+
+
+def require(ok: bool, message: str) -> None:
+    """An integrity check's condition: raises IntegrityError(message) unless ok."""
+    if not ok:
+        raise IntegrityError(message)
+
+
+PREFIX_CACHES: Registry = Registry("prefix cache")
+PREFIX_CACHES.register("radix", "minisgl.kvcache.radix_cache:RadixCache")
+PREFIX_CACHES.register("naive", "minisgl.kvcache.prefix_cache:NaiveCache")
+
+__all__ = ["PREFIX_CACHES", "IntegrityError", "require"]

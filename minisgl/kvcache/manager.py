@@ -4,15 +4,11 @@ from typing import Any
 
 import numpy as np
 
-from minisgl.utils import Registry, ragged_arange
+from minisgl.utils.arrays import ragged_arange
 
+from . import PREFIX_CACHES, require
 from .allocator import PageAllocator
-from .prefix_cache import NaiveCache, PrefixCache
-from .radix_cache import RadixCache
-
-PREFIX_CACHES: Registry[PrefixCache] = Registry("cache")
-PREFIX_CACHES.register("radix")(RadixCache)
-PREFIX_CACHES.register("naive")(NaiveCache)
+from .prefix_cache import PrefixCache
 
 
 class KVCacheManager:
@@ -20,14 +16,14 @@ class KVCacheManager:
 
     The page table ([slots + 1, table_width] on the device) maps a slot's token positions to pool
     locations. This class decides every entry; the entries assigned since the last step travel to
-    the device with the step's batch (`take_page_writes`, `build_batch`), in its one transfer.
+    the device with the step's batch (`take_page_writes`), in its one transfer.
     """
 
     def __init__(self, num_pages: int, page_size: int, table_width: int, cache: str) -> None:
         self.page_size = page_size
         self.table_width = table_width
         self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = PREFIX_CACHES.get(cache)(page_size)
+        self.prefix_cache: PrefixCache = PREFIX_CACHES.get(cache)(page_size)
         self._pages: dict[int, list[int]] = {}  # slot -> its pages, in position order
         self._handles: dict[int, Any] = {}  # slot -> locked prefix-cache handle
         self._shared: dict[int, int] = {}  # slot -> leading pages it got from the prefix cache
@@ -111,9 +107,9 @@ class KVCacheManager:
         the prefix cache for later requests."""
         pages = self._pages.pop(slot)
         num = len(ids) // self.page_size
-        assert num >= self._shared.pop(slot), (
-            "ids must cover the prefix the slot got from the cache"
-        )
+        shared = self._shared.pop(slot)
+        if num < shared:
+            raise ValueError("ids must cover the prefix the slot got from the cache")
         _, duplicates = self.prefix_cache.insert(ids[: num * self.page_size], pages[:num])
         self.prefix_cache.unlock(self._handles.pop(slot))
         self.allocator.free(duplicates + pages[num:])
@@ -140,17 +136,19 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
-        """Raise AssertionError unless every page is exactly one of: free, cached, or held privately
-        by one slot, and the prefix cache's locks are exactly the slots' handles."""
+        """Raise IntegrityError unless every page is exactly one of: free, cached, or held
+        privately by one slot, and the prefix cache's locks are exactly the slots' handles."""
         free = self.allocator.free_pages()
         cached = self.prefix_cache.cached_pages()
         cached_set = set(cached)
         private = [p for pages in self._pages.values() for p in pages if p not in cached_set]
-        assert len(free) == len(set(free)), "a page is free twice"
-        assert not set(free) & cached_set, "a page is both free and cached"
-        assert not set(free) & set(private), "a page is both free and in use"
-        assert len(private) == len(set(private)), "a page is held by two slots"
-        assert len(free) + len(cached) + len(private) == self.num_pages, (
-            f"free {len(free)} + cached {len(cached)} + in use {len(private)} != {self.num_pages}"
+        require(len(free) == len(set(free)), "a page is free twice")
+        require(not set(free) & cached_set, "a page is both free and cached")
+        require(not set(free) & set(private), "a page is both free and in use")
+        require(len(private) == len(set(private)), "a page is held by two slots")
+        require(
+            len(free) + len(cached) + len(private) == self.num_pages,
+            f"free {len(free)} + cached {len(cached)} + in use {len(private)} != {self.num_pages}",
         )
+        require(self.prefix_cache.num_cached_pages == len(cached), "the cached-page count is off")
         self.prefix_cache.check_integrity(list(self._handles.values()))

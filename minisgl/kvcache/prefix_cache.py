@@ -2,6 +2,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from . import require
+
 
 class PrefixCache(ABC):
     """Maps token-id prefixes (whole pages only) to the KV pages that hold them.
@@ -35,12 +37,16 @@ class PrefixCache(ABC):
     @abstractmethod
     def num_evictable_pages(self) -> int: ...
 
+    @property
+    @abstractmethod
+    def num_cached_pages(self) -> int: ...
+
     @abstractmethod
     def cached_pages(self) -> list[int]: ...
 
     @abstractmethod
     def check_integrity(self, held_handles: list[Any]) -> None:
-        """Raise AssertionError unless the cache's own structure is consistent and its lock counts
+        """Raise IntegrityError unless the cache's own structure is consistent and its lock counts
         are exactly those of `held_handles` (every handle some request holds locked)."""
 
 
@@ -66,8 +72,12 @@ class NaiveCache(PrefixCache):
     def num_evictable_pages(self) -> int:
         return 0
 
+    @property
+    def num_cached_pages(self) -> int:
+        return 0
+
     def cached_pages(self) -> list[int]:
         return []
 
     def check_integrity(self, held_handles: list[Any]) -> None:
-        assert all(h is None for h in held_handles)
+        require(all(h is None for h in held_handles), "a request holds a handle of no cache")

@@ -11,6 +11,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
+from . import require
 from .prefix_cache import PrefixCache
 
 
@@ -157,6 +158,10 @@ class RadixCache(PrefixCache):
     def num_evictable_pages(self) -> int:
         return self._num_cached - self._num_locked
 
+    @property
+    def num_cached_pages(self) -> int:
+        return self._num_cached
+
     def cached_pages(self) -> list[int]:
         return [p for node in self._nodes() for p in node.pages]
 
@@ -169,14 +174,16 @@ class RadixCache(PrefixCache):
                 node = node.parent
         nodes = self._nodes()
         for node in nodes:
-            assert (
-                node.parent is not None
-                and node.parent.children.get(node.key[: self.page_size]) is node
+            parent = node.parent
+            require(
+                parent is not None and parent.children.get(node.key[: self.page_size]) is node,
+                "a node is not its parent's child",
             )
-            assert len(node.key) == len(node.pages) * self.page_size > 0
-            assert node.lock_ref == expected.pop(id(node), 0), "lock count differs from holders"
-        assert not expected, "a request holds a node that is not in the tree"
+            require(len(node.key) == len(node.pages) * self.page_size > 0, "a node's key is off")
+            holders = expected.pop(id(node), 0)
+            require(node.lock_ref == holders, "lock count differs from holders")
+        require(not expected, "a request holds a node that is not in the tree")
         pages = self.cached_pages()
-        assert len(pages) == len(set(pages)) == self._num_cached, "a page is cached twice"
+        require(len(pages) == len(set(pages)) == self._num_cached, "a page is cached twice")
         locked = sum(len(n.pages) for n in nodes if n.lock_ref > 0)
-        assert locked == self._num_locked
+        require(locked == self._num_locked, "the locked-page count is off")

@@ -5,7 +5,6 @@ from .linear import (
     LinearColParallelMerged,
     LinearOProj,
     LinearQKVMerged,
-    LinearReplicated,
     LinearRowParallel,
     local_kv_heads,
 )
@@ -18,7 +17,6 @@ __all__ = [
     "LinearColParallelMerged",
     "LinearOProj",
     "LinearQKVMerged",
-    "LinearReplicated",
     "LinearRowParallel",
     "OPList",
     "ParallelLMHead",

@@ -1,6 +1,6 @@
 import torch
 
-from minisgl.core import get_global_ctx
+from minisgl.engine.context import current_forward
 from minisgl.kernel import KVStore
 
 from .base import StateLessOP
@@ -33,20 +33,18 @@ class AttentionLayer(StateLessOP):
         self.k_norm = k_norm
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
-        ctx = get_global_ctx()
-        assert ctx.batch is not None and ctx.attn_backend is not None
+        batch = current_forward()
         # strided views into qkv: every op below works in place on them, no copies
         q, k, v = qkv.split([self.qo_attn_dim, self.kv_attn_dim, self.kv_attn_dim], dim=-1)
         qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        pool = ctx.attn_backend.pool
-        assert ctx.batch.out_loc is not None, "load_inputs has not run"
+        pool = batch.attn_backend.pool
         kv_store = KVStore(
-            pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), ctx.batch.out_loc, v
+            pool.k_cache(self.layer_id), pool.v_cache(self.layer_id), batch.out_loc, v
         )
-        q, _ = self.rotary.forward(ctx.batch.positions, q, k, qk_norm, kv_store)
-        o = ctx.attn_backend.forward(
-            q.view(-1, self.num_qo_heads, self.head_dim), self.layer_id, ctx.batch
+        q, _ = self.rotary.forward(batch.inputs.positions, q, k, qk_norm, kv_store)
+        o = batch.attn_backend.forward(
+            q.view(-1, self.num_qo_heads, self.head_dim), self.layer_id, batch
         )
         return o.reshape(-1, self.qo_attn_dim)

@@ -1,7 +1,7 @@
 import torch
 
-from minisgl.core import get_global_ctx
 from minisgl.distributed import DistributedCommunicator, get_tp_info
+from minisgl.engine.context import current_forward
 from minisgl.kernel import indexing, rmsnorm_linear
 from minisgl.utils import div_ceil
 
@@ -51,11 +51,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     ) -> torch.Tensor:
         """Logits of norm(x + residual): the model's final norm runs here, in the matmul's kernel
         for a tiny decode batch on a GPU."""
-        batch = get_global_ctx().batch
-        assert batch is not None
-        if not batch.is_decode and not batch.all_logits:
+        batch = current_forward()
+        if not batch.is_decode:
             # x may be partial sums [splits, rows, N] (LinearRowParallel)
-            x, residual = x[..., batch.last_indices, :], residual[batch.last_indices]
+            last = batch.inputs.last_indices
+            x, residual = x[..., last, :], residual[last]
         return self.logits(x, residual, norm)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

@@ -14,13 +14,9 @@ from .norm import RMSNorm
 
 
 class _LinearTPImpl(BaseOP):
-    def __init__(
-        self, full_isize: int, full_osize: int, local_isize: int, local_osize: int, has_bias: bool
-    ) -> None:
-        self.full_input_size = full_isize
-        self.full_output_size = full_osize
-        self.local_input_size = local_isize
-        self.local_output_size = local_osize
+    """This rank's [output, input] slice of a linear layer."""
+
+    def __init__(self, local_isize: int, local_osize: int, has_bias: bool) -> None:
         self.weight = torch.empty(local_osize, local_isize)
         self.bias = torch.empty(local_osize) if has_bias else None
 
@@ -36,13 +32,6 @@ class _LinearTPImpl(BaseOP):
         return rmsnorm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, gated)
 
 
-class LinearReplicated(_LinearTPImpl):
-    """A full copy on every rank."""
-
-    def __init__(self, input_size: int, output_size: int, has_bias: bool = False) -> None:
-        super().__init__(input_size, output_size, input_size, output_size, has_bias)
-
-
 class LinearColParallelMerged(_LinearTPImpl):
     """Projections of the same input stacked along the output (gate_up_proj), each split along its
     output dimension across ranks."""
@@ -50,7 +39,7 @@ class LinearColParallelMerged(_LinearTPImpl):
     def __init__(self, input_size: int, output_sizes: list[int], has_bias: bool = False) -> None:
         tp = get_tp_info().size
         local_osize = sum(div_even(size, tp) for size in output_sizes)
-        super().__init__(input_size, sum(output_sizes), input_size, local_osize, has_bias)
+        super().__init__(input_size, local_osize, has_bias)
 
 
 def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
@@ -69,8 +58,7 @@ class LinearQKVMerged(_LinearTPImpl):
     ) -> None:
         tp = get_tp_info().size
         local_heads = div_even(num_qo_heads, tp) + 2 * local_kv_heads(num_kv_heads, tp)
-        full_osize = (num_qo_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, full_osize, hidden_size, local_heads * head_dim, has_bias)
+        super().__init__(hidden_size, local_heads * head_dim, has_bias)
 
 
 class LinearRowParallel(_LinearTPImpl):
@@ -81,7 +69,7 @@ class LinearRowParallel(_LinearTPImpl):
 
     def __init__(self, input_size: int, output_size: int) -> None:
         tp = get_tp_info().size
-        super().__init__(input_size, output_size, div_even(input_size, tp), output_size, False)
+        super().__init__(div_even(input_size, tp), output_size, False)
         self._tp_size = tp
         self._comm = DistributedCommunicator()
 

@@ -4,7 +4,7 @@ import torch
 
 from minisgl.distributed import get_tp_info
 from minisgl.layers import set_rope_device
-from minisgl.utils import torch_dtype
+from minisgl.utils.torch_utils import torch_dtype
 
 from .config import ARCHITECTURES, ModelConfig
 from .decoder import CausalLM

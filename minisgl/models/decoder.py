@@ -2,7 +2,6 @@
 
 import torch
 
-from minisgl.core import get_global_ctx
 from minisgl.distributed import get_tp_info
 from minisgl.layers import (
     AttentionLayer,
@@ -97,16 +96,14 @@ class DecoderModel(BaseOP):
 
 
 class CausalLM(BaseOP):
-    """Decoder + LM head. `forward` computes the batch in the global context and returns logits."""
+    """Decoder + LM head. `forward` computes the current forward's batch (`engine.context`) and
+    returns the logits of each request's last token."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.model = DecoderModel(config)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied)
 
-    def forward(self) -> torch.Tensor:
-        batch = get_global_ctx().batch
-        assert batch is not None
-        assert batch.input_ids is not None, "load_inputs has not run"
-        x, residual = self.model.forward(batch.input_ids)
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x, residual = self.model.forward(input_ids)
         return self.lm_head.forward(x, residual, self.model.norm)

@@ -1,4 +1,2 @@
-from .config import SchedulerConfig
-from .scheduler import ReqOutput, Scheduler, SchedulerStats
-
-__all__ = ["ReqOutput", "Scheduler", "SchedulerConfig", "SchedulerStats"]
+"""The scheduler: owns every request and decides each step's batch (`scheduler.Scheduler`); its
+process (`worker`)."""

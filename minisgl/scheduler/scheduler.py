@@ -14,17 +14,20 @@ the CPU work of one step hides behind the GPU work of the other.
 
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from minisgl.core import Batch, FinishReason, Req, SamplingParams, build_batch, check_prompt
-from minisgl.engine import Engine, ForwardOutput
-from minisgl.kvcache import KVCacheManager
+from minisgl.config import SchedulerConfig
+from minisgl.core import Batch, FinishReason, Req, SamplingParams, check_prompt
+from minisgl.engine.engine import Engine, ForwardOutput
+from minisgl.engine.sampler import SampleOutput
+from minisgl.kvcache.manager import KVCacheManager
+from minisgl.messages import Finished, StepOutputs, TokenLogprobs
 from minisgl.utils import init_logger
 
-from .config import SchedulerConfig
+from .batch_builder import build_batch
 from .stop import StopChecker
 from .token_table import TokenTable
 
@@ -32,24 +35,8 @@ logger = init_logger(__name__)
 
 
 @dataclass
-class ReqOutput:
-    """What one step produced for one request: a new token, and whether the request finished."""
-
-    rid: int
-    token_id: int | None
-    finish_reason: FinishReason | None = None
-    matched_stop: str | int | None = None
-    logprob: tuple[float, list[tuple[int, float]]] | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-@dataclass
 class SchedulerStats:
     num_preemptions: int = 0
-    prompt_tokens: int = 0  # prompt tokens admitted for the first time
-    cached_prompt_tokens: int = 0  # of those, found in the prefix cache
     steps: int = 0
 
 
@@ -60,22 +47,15 @@ class _InFlight:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        engine: Engine,
-        eos_ids: tuple[int, ...],
-        tokenizer: PreTrainedTokenizerBase | None,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, engine: Engine, eos_ids: tuple[int, ...]) -> None:
         self.config = config
         self.engine = engine
-        self.max_seq_len = engine.max_seq_len
-        self.vocab_size = engine.model_config.vocab_size
+        self.layout = layout = engine.layout
         self.kv = KVCacheManager(
-            engine.num_pages, engine.page_size, engine.page_table.shape[1], config.cache
+            layout.num_pages, layout.page_size, layout.page_table_width, config.cache
         )
-        self.tokens = TokenTable(engine.token_table)
-        self.stop_checker = StopChecker(eos_ids, self.max_seq_len, tokenizer)
+        self.tokens = TokenTable(layout)
+        self.stop_checker = StopChecker(eos_ids, layout.max_seq_len)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted requests, oldest first
         self.stats = SchedulerStats()
@@ -85,41 +65,28 @@ class Scheduler:
         self.overlap = config.overlap
 
     # ------------------------------------------------------------------ requests in and out
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError unless the request can be served."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling params must be a SamplingParams")
-        check_prompt(prompt_ids, self.max_seq_len, self.vocab_size)
-        if params.stop and self.stop_checker.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-
-    def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        self.add_requests([(rid, prompt_ids, params)])
-
-    def add_requests(self, requests: list[tuple[int, list[int], SamplingParams]]) -> None:
+    def add_requests(self, requests: Sequence[tuple[int, list[int], SamplingParams]]) -> None:
         """Add all the requests, or none: the first bad one raises ValueError before any is."""
         rids: set[int] = set()
         for rid, prompt_ids, params in requests:
-            self.validate(prompt_ids, params)
+            if not isinstance(params, SamplingParams):
+                raise ValueError("sampling params must be a SamplingParams")
+            check_prompt(prompt_ids, self.layout.max_seq_len, self.layout.vocab_size)
             if rid in self._reqs or rid in rids:
                 raise ValueError(f"request id {rid} is already in use")
             rids.add(rid)
         for rid, prompt_ids, params in requests:
-            self._enqueue(rid, prompt_ids, params)
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            req = Req(rid=rid, token_ids=list(prompt_ids), params=params, seed=seed)
+            self._reqs[rid] = req
+            self.waiting.append(req)
 
-    def _enqueue(self, rid: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, seed=seed)
-        self._reqs[rid] = req
-        self.waiting.append(req)
-
-    def abort_request(self, rid: int) -> ReqOutput | None:
+    def abort_request(self, rid: int) -> Finished | None:
         """Stop a request now; None if it is unknown or already finished."""
         req = self._reqs.get(rid)
         if req is None:
             return None
-        self._finish(req, "abort", None)
-        return self._output(req, None)
+        return self._finish(req, "abort", None)
 
     @property
     def has_work(self) -> bool:
@@ -127,63 +94,40 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()
-    def step(self) -> list[ReqOutput]:
+    def step(self) -> StepOutputs:
         batch = self._schedule()
         launched = None
         if batch is not None:
             self.stats.steps += 1
-            out = self.engine.forward(batch, self.engine.sampler.prepare(batch))
-            launched = _InFlight(batch, out)
+            launched = _InFlight(batch, self.engine.forward(batch))
         if not self.overlap:
-            return self._process(launched) if launched else []
+            return self._process(launched) if launched else StepOutputs()
         finished_step, self._in_flight = self._in_flight, launched
-        return self._process(finished_step) if finished_step else []
+        return self._process(finished_step) if finished_step else StepOutputs()
 
-    def _process(self, step: _InFlight) -> list[ReqOutput]:
+    def _process(self, step: _InFlight) -> StepOutputs:
         host = step.output.wait()
         tokens = host.tokens.tolist()
-        outputs = []
+        out = StepOutputs()
+        if host.logprobs is not None:
+            out.logprobs = []
         for i in step.batch.sample_rows:
             req = step.batch.reqs[i]
             if req.finished:  # aborted, or finished by the previous step while this one ran
                 continue
-            req.output_ids.append(tokens[i])
-            logprob = None
-            if req.params.logprobs is not None:
-                assert host.logprobs is not None and host.top_ids is not None
-                n = req.params.logprobs
-                top = list(
-                    zip(
-                        host.top_ids[i, :n].tolist(), host.top_logprobs[i, :n].tolist(), strict=True
-                    )
-                )
-                logprob = (float(host.logprobs[i]), top)
+            req.token_ids.append(tokens[i])
+            out.rids.append(req.rid)
+            out.token_ids.append(tokens[i])
+            if out.logprobs is not None:
+                out.logprobs.append(_logprobs(host, i, req.params.logprobs))
             finish = self.stop_checker.check(req)
             if finish is not None:
-                self._finish(req, *finish)
-            outputs.append(self._output(req, tokens[i], logprob))
-        return outputs
-
-    def _output(
-        self,
-        req: Req,
-        token: int | None,
-        logprob: tuple[float, list[tuple[int, float]]] | None = None,
-    ) -> ReqOutput:
-        return ReqOutput(
-            rid=req.rid,
-            token_id=token,
-            finish_reason=req.finish_reason,
-            matched_stop=req.matched_stop,
-            logprob=logprob,
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-        )
+                out.finished.append(self._finish(req, *finish))
+        return out
 
     # ------------------------------------------------------------------ scheduling
     def _wants_token(self, req: Req) -> bool:
-        return req.num_sampled < req.params.max_tokens and req.device_len < self.max_seq_len
+        return req.num_sampled < req.params.max_tokens and req.device_len < self.layout.max_seq_len
 
     def _schedule(self) -> Batch | None:
         picked: list[tuple[Req, int]] = []
@@ -206,7 +150,7 @@ class Scheduler:
                 picked.append((req, 1))
         # 2. prompts in progress, then new requests, in what the decodes leave of the step's
         # token budget (as vLLM's max_num_batched_tokens): every full step has chunk_size tokens,
-        # so its matmuls meet one row count, not a new one per step (RESULTS.md, fourteenth session)
+        # so its matmuls meet one row count, not a new one per step
         budget = max(self.config.chunk_size - len(picked), 0)
         for req in [r for r in self.running if r.is_prefilling]:
             if budget == 0:
@@ -237,7 +181,8 @@ class Scheduler:
         )
         if extend <= 0:
             return 0
-        assert self.kv.reserve(req.slot, req.cached_len + extend)
+        if not self.kv.reserve(req.slot, req.cached_len + extend):  # capacity says it fits
+            raise RuntimeError(f"request {req.rid}: no pages for a chunk that fits the capacity")
         return extend
 
     def _admit(self, req: Req, budget: int) -> int:
@@ -248,44 +193,50 @@ class Scheduler:
                 return 0
             req.slot = self.tokens.alloc_slot()
         # the last token is always computed: its logits give the next token
-        req.cached_len = self.kv.admit(req.slot, req.known_ids[: req.device_len - 1])
+        req.cached_len = self.kv.admit(req.slot, req.token_ids[: req.device_len - 1])
         extend = self._reserve_chunk(req, budget)
         if extend == 0:
-            self.kv.release(req.slot, req.known_ids[: req.cached_len])
+            self.kv.release(req.slot, req.token_ids[: req.cached_len])
             req.cached_len = 0
             if new_slot:
                 self.tokens.free_slot(req.slot)
                 req.slot = -1
             return 0
         if new_slot:
-            self.tokens.write(req.slot, 0, req.prompt_ids)
+            self.tokens.write(req.slot, 0, req.token_ids[: req.num_prompt_tokens])
         if req.num_preemptions == 0:
             req.cached_tokens = req.cached_len
-            self.stats.prompt_tokens += len(req.prompt_ids)
-            self.stats.cached_prompt_tokens += req.cached_len
         return extend
 
     def _preempt(self, req: Req) -> None:
         """Free a running request's KV (its computed prefix stays in the prefix cache) and put it
         back at the head of the queue. It keeps its slot, so its token row stays intact."""
         logger.info("preempting request %d at %d tokens", req.rid, req.device_len)
-        self.kv.release(req.slot, req.known_ids[: req.cached_len])
+        self.kv.release(req.slot, req.token_ids[: req.cached_len])
         req.cached_len = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.running.remove(req)
         self.waiting.appendleft(req)
 
-    def _finish(self, req: Req, reason: FinishReason, matched: str | int | None) -> None:
-        req.finish_reason, req.matched_stop = reason, matched
+    def _finish(self, req: Req, reason: FinishReason, matched: int | None) -> Finished:
+        req.finish_reason = reason
         del self._reqs[req.rid]
         if req in self.running:
             self.running.remove(req)
-            self.kv.release(req.slot, req.known_ids[: req.cached_len])
+            self.kv.release(req.slot, req.token_ids[: req.cached_len])
         elif req in self.waiting:
             self.waiting.remove(req)
         if req.slot >= 0:
             self.tokens.free_slot(req.slot)
+        return Finished(
+            rid=req.rid,
+            reason=reason,
+            matched_stop=matched,
+            prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=req.num_output_tokens,
+            cached_tokens=req.cached_tokens,
+        )
 
     def _build_batch(self, picked: list[tuple[Req, int]]) -> Batch:
         reqs = [req for req, _ in picked]
@@ -297,12 +248,25 @@ class Scheduler:
             if req.cached_len == req.device_len:  # the whole known sequence is computed: sample
                 sample_rows.append(i)
                 if extend > 1:  # a prompt just finished: share its pages with later requests
-                    self.kv.cache_prefix(req.slot, req.known_ids[: req.cached_len])
+                    self.kv.cache_prefix(req.slot, req.token_ids[: req.cached_len])
                 req.device_len += 1
         return build_batch(
-            reqs, prefix_lens, extend_lens, self.engine.page_table, self.tokens.table,
-            sample_rows, self.kv.take_page_writes(), self.tokens.take_writes(),
+            reqs, prefix_lens, extend_lens, self.layout, sample_rows,
+            self.kv.take_page_writes(), self.tokens.take_writes(),
         )  # fmt: skip
 
     def check_integrity(self) -> None:
+        """Raise IntegrityError unless the KV cache's accounting holds."""
         self.kv.check_integrity()
+
+
+def _logprobs(host: SampleOutput, row: int, wanted: int | None) -> TokenLogprobs | None:
+    if wanted is None:
+        return None
+    assert host.logprobs is not None and host.top_ids is not None
+    assert host.top_logprobs is not None
+    return TokenLogprobs(
+        float(host.logprobs[row]),
+        host.top_ids[row, :wanted].tolist(),
+        host.top_logprobs[row, :wanted].tolist(),
+    )

@@ -2,24 +2,29 @@
 
 Rank 0 reads requests from the tokenizer and, before applying them, sends each step's messages to
 ranks 1..tp-1, so every rank adds and aborts the same requests in the same order and runs identical
-`step()`s (their forwards meet in the TP collectives). Only rank 0 sends outputs.
+`step()`s (their forwards meet in the TP collectives). Only rank 0 sends outputs, and a thread of
+its own sends a heartbeat every half second, however long a step takes.
 """
 
+import threading
 import time
 
 import torch.distributed as dist
 import zmq
-from transformers import AutoTokenizer
 
-from minisgl.engine import Engine, EngineConfig
+from minisgl.config import EngineConfig, SchedulerConfig
+from minisgl.engine.engine import Engine
+from minisgl.kvcache import IntegrityError
 from minisgl.messages import (
     AbortRequest,
-    AddRequest,
+    AddRequests,
     Addresses,
+    Finished,
+    Heartbeat,
+    Ready,
     ReqError,
-    SchedulerLimits,
     SchedulerLoad,
-    SchedulerOutputs,
+    StepOutputs,
     bind_pull,
     connect_push,
     recv,
@@ -28,14 +33,14 @@ from minisgl.messages import (
 )
 from minisgl.utils import init_logger, load_eos_token_ids
 
-from .config import SchedulerConfig
-from .scheduler import ReqOutput, Scheduler
+from .scheduler import Scheduler
 
 logger = init_logger(__name__)
 
 LOAD_INTERVAL_S = 0.5  # how often a busy scheduler reports its load (and always when it idles)
+HEARTBEAT_INTERVAL_S = 0.5
 
-Message = AddRequest | AbortRequest
+Message = AddRequests | AbortRequest
 
 
 class SchedulerWorker:
@@ -46,31 +51,39 @@ class SchedulerWorker:
         self.integrity_failures = 0
         self._last_load = 0.0
 
-    def apply(self, messages: list[Message]) -> tuple[list[ReqOutput], list[ReqError]]:
-        outputs, errors = [], []
+    def apply(self, messages: list[Message]) -> tuple[list[Finished], list[ReqError]]:
+        """Add and abort requests; returns the aborted ones' ends and the rejected ones."""
+        finished: list[Finished] = []
+        errors: list[ReqError] = []
         for msg in messages:
-            if isinstance(msg, AddRequest):
+            if isinstance(msg, AddRequests):
+                requests = [
+                    (rid, prompt, params)
+                    for prompt, rids, choices in zip(msg.prompts, msg.rids, msg.params, strict=True)
+                    for rid, params in zip(rids, choices, strict=True)
+                ]
                 try:
-                    self.scheduler.add_request(msg.rid, msg.prompt_ids, msg.params)
+                    self.scheduler.add_requests(requests)
                 except ValueError as e:
-                    errors.append(ReqError(msg.rid, str(e)))
+                    errors += [ReqError(rid, str(e)) for rid, _, _ in requests]
             else:
-                aborted = self.scheduler.abort_request(msg.rid)
-                if aborted is not None:
-                    outputs.append(aborted)
-        return outputs, errors
+                for rid in msg.rids:
+                    aborted = self.scheduler.abort_request(rid)
+                    if aborted is not None:
+                        finished.append(aborted)
+        return finished, errors
 
     def check_integrity(self) -> None:
         self.integrity_checks += 1
         try:
             self.scheduler.check_integrity()
-        except AssertionError:
+        except IntegrityError:
             self.integrity_failures += 1
             logger.exception("rank %d: KV cache integrity check FAILED", self.rank)
 
     def load(self) -> SchedulerLoad:
         s, kv = self.scheduler, self.scheduler.kv
-        cached = len(kv.prefix_cache.cached_pages())
+        cached = kv.prefix_cache.num_cached_pages
         self._last_load = time.monotonic()
         return SchedulerLoad(
             num_running=len(s.running),
@@ -78,32 +91,31 @@ class SchedulerWorker:
             request_pages=kv.used_pages - cached,
             cached_pages=cached,
             free_pages=kv.num_pages - kv.used_pages,
-            prompt_tokens=s.stats.prompt_tokens,
-            cached_prompt_tokens=s.stats.cached_prompt_tokens,
             num_preemptions=s.stats.num_preemptions,
             integrity_checks=self.integrity_checks,
             integrity_failures=self.integrity_failures,
         )
 
-    def step(self, messages: list[Message]) -> SchedulerOutputs:
+    def step(self, messages: list[Message]) -> StepOutputs:
         """Apply the messages, run one step; integrity is checked whenever the scheduler idles."""
-        outputs, errors = self.apply(messages)
-        outputs += self.scheduler.step()
+        aborted, errors = self.apply(messages)
+        out = self.scheduler.step()
+        out.finished[:0] = aborted
+        out.errors = errors
         idle = not self.scheduler.has_work
         if idle:
             self.check_integrity()
-        due = idle or time.monotonic() - self._last_load >= LOAD_INTERVAL_S
-        return SchedulerOutputs(outputs, errors, self.load() if due else None)
+        if idle or time.monotonic() - self._last_load >= LOAD_INTERVAL_S:
+            out.load = self.load()
+        return out
 
 
 def run_scheduler(
     engine_config: EngineConfig, scheduler_config: SchedulerConfig, addresses: Addresses
 ) -> None:
     """The process entry point; runs until the process is terminated."""
-    path = engine_config.model_path
     engine = Engine(engine_config)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))  # for stop strings
-    scheduler = Scheduler(scheduler_config, engine, load_eos_token_ids(path), tokenizer)
+    scheduler = Scheduler(scheduler_config, engine, load_eos_token_ids(engine_config.model_path))
     worker = SchedulerWorker(scheduler, engine_config.tp_rank)
     if engine_config.tp_size > 1:
         dist.barrier()  # rank 0 reports ready only once every rank is
@@ -117,15 +129,26 @@ def _serve_primary(worker: SchedulerWorker, addresses: Addresses) -> None:
     ctx = zmq.Context()
     inbox = bind_pull(ctx, addresses.scheduler)
     followers = [connect_push(ctx, address) for address in addresses.followers]
-    outbox = connect_push(ctx, addresses.tokenizer)
-    send(outbox, SchedulerLimits(worker.scheduler.max_seq_len, worker.scheduler.vocab_size))
+    outbox = connect_push(ctx, addresses.detokenizer)
+    layout = worker.scheduler.layout
+    send(outbox, Ready(layout.max_seq_len, layout.vocab_size))
+    threading.Thread(target=_heartbeat, args=(ctx, addresses.detokenizer), daemon=True).start()
     while True:
-        messages = recv_all(inbox, block=not worker.scheduler.has_work)
+        messages = recv_all(inbox, timeout_ms=0 if worker.scheduler.has_work else None)
         for follower in followers:
             send(follower, messages)
         out = worker.step(messages)
-        if out.outputs or out.errors or out.load is not None:
+        if out.rids or out.finished or out.errors or out.load is not None:
             send(outbox, out)
+
+
+def _heartbeat(ctx: zmq.Context, address: str) -> None:
+    """Tell the server this process is alive, however long a step takes (its own socket: a ZMQ
+    socket belongs to one thread)."""
+    sock = connect_push(ctx, address)
+    while True:
+        send(sock, Heartbeat())
+        time.sleep(HEARTBEAT_INTERVAL_S)
 
 
 def _serve_follower(worker: SchedulerWorker, address: str) -> None:

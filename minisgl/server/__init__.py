@@ -1,7 +1,2 @@
-"""Serving: the launcher, the OpenAI-compatible API server and the interactive shell."""
-
-from .args import ServerArgs
-from .cli import main, parse_args
-from .launch import launch
-
-__all__ = ["ServerArgs", "launch", "main", "parse_args"]
+"""Serving: the launcher, the OpenAI-compatible API server and the interactive shell. Its entry
+point is `minisgl.server.cli:main`."""

@@ -1,33 +1,66 @@
 """The OpenAI-compatible HTTP server (FastAPI): validates requests, maps them onto the engine's
-requests and answers in OpenAI's shapes. It holds no tokenizer and no model."""
+requests and answers in OpenAI's shapes. It holds no tokenizer and no model.
+
+On SIGTERM it drains: new requests get 503, running ones may finish within --shutdown-timeout,
+then each is answered with a 503 (a stream: an error event) and the process exits."""
 
 import asyncio
 import secrets
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from minisgl.messages import Addresses, SchedulerLimits, TokenizeRequest
+from minisgl.messages import Addresses, Ready, TokenizeRequest
 
 from .args import ServerArgs
 from .engine_client import EngineClient
+from .errors import ApiError
 from .generation import generate
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, choice_params
-from .responses import ApiError, ChatFormat, CompletionFormat
+from .protocol import ChatCompletionRequest, CompletionRequest, choice_params, parse_body
+from .responses import ChatFormat, CompletionFormat
+
+# routes open without the API key: what load balancers and monitoring probe
+_OPEN_ROUTES = ("/health", "/metrics")
 
 
-def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
+def json_response(body: dict[str, Any], status: int = 200, headers: Any = None) -> Response:
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
+
+
+def _error_response(e: ApiError) -> Response:
+    return json_response(e.body(), e.status, e.headers)
+
+
+def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None]) -> FastAPI:
+    """The app; on SIGTERM it drains, then calls `exit` (which stops the HTTP server)."""
+
+    async def drain() -> None:
+        client.draining = True
+        await client.wait_idle(args.shutdown_timeout)
+        client.interrupt_all(503, "the server is shutting down")
+        await asyncio.sleep(0.1)  # the handlers answer their requests
+        exit()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         listener = asyncio.create_task(client.run())
+        loop = asyncio.get_running_loop()
+        # installed after uvicorn's own handlers (the lifespan starts inside uvicorn's serve):
+        # SIGTERM, from the launcher, drains instead of stopping at once; a terminal's Ctrl-C
+        # reaches the launcher too, which stops the processes in order
+        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(drain()))
+        loop.add_signal_handler(signal.SIGINT, lambda: None)
         yield
         listener.cancel()
 
@@ -35,31 +68,50 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
     created = int(time.time())
 
     @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def api_error(request: Request, e: ApiError) -> Response:
+        return _error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> Response:  # 404, 405, ...
+        return _error_response(ApiError(e.status_code, str(e.detail), headers=e.headers))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'][1:]) or 'body'}: {err['msg']}"
-            for err in e.errors()
-        )
-        return await api_error(request, ApiError(400, details))
+    async def invalid_request(request: Request, e: RequestValidationError) -> Response:
+        return _error_response(ApiError(400, str(e.errors())))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> Response:
+        return _error_response(ApiError(500, f"internal error: {type(e).__name__}"))
 
     @app.middleware("http")
     async def check_api_key(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        if args.api_key is not None and request.url.path.startswith("/v1"):
+        if args.api_key is not None and request.url.path not in _OPEN_ROUTES:
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme != "Bearer" or not secrets.compare_digest(
+            if scheme.lower() != "bearer" or not secrets.compare_digest(
                 given.encode(), args.api_key.encode()
             ):
-                error = ApiError(401, "invalid or missing API key", "invalid_api_key")
-                return JSONResponse(error.body(), status_code=401)
+                return _error_response(
+                    ApiError(401, "invalid or missing API key", "invalid_api_key")
+                )
         return await call_next(request)
 
-    def engine_limits() -> SchedulerLimits:
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with a 413 past the size limit, before it is all read."""
+        limit = args.limits.max_request_bytes
+        too_large = ApiError(413, f"the request body is over {limit} bytes")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
+    def engine_limits() -> Ready:
         if client.limits is None:
             raise ApiError(503, "the engine is still starting")
         return client.limits
@@ -70,14 +122,14 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if client.limits is not None else 503)
+        return Response(status_code=200 if client.healthy(args.health_timeout) else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(client.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models() -> Response:
         card = {
             "id": args.served_model_name,
             "object": "model",
@@ -85,65 +137,66 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
             "owned_by": "minisgl",
             "max_model_len": engine_limits().max_seq_len,
         }
-        return {"object": "list", "data": [card]}
+        return json_response({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(request: Request) -> Response:
+        body = parse_body(await read_body(request), CompletionRequest)
         check_model(body.model)
         engine_limits()
-        try:
-            prompts, params = body.prompts(), body.sampling_params()
-        except ValueError as e:
-            raise ApiError(400, str(e)) from e
-        requests = [
-            TokenizeRequest(client.new_rid(), p, prompt=prompt)
-            for prompt in prompts
-            for p in choice_params(params, body.n)
-        ]
+        prompts, params = body.prompts(), body.sampling_params()
+        args.limits.check(body.n, len(prompts), body.stop)
+        choices = choice_params(params, body.n)
+        tokenize = TokenizeRequest(client.new_rids(len(prompts) * body.n), choices, prompts)
         return await generate(
-            client,
-            CompletionFormat(),
-            args.served_model_name,
-            requests,
-            body.n,
-            want_logprobs=body.logprobs is not None,
-            stream=body.stream,
-            include_usage=body.include_usage,
-        )
+            request, client, CompletionFormat(), args.served_model_name, tokenize, body.n,
+            want_logprobs=body.logprobs is not None, stream=body.stream,
+            include_usage=body.include_usage, timeout=args.request_timeout,
+        )  # fmt: skip
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = parse_body(await read_body(request), ChatCompletionRequest)
         check_model(body.model)
-        try:
-            params = body.sampling_params(engine_limits().max_seq_len)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from e
+        params = body.sampling_params(engine_limits().max_seq_len)
+        args.limits.check(body.n, 1, body.stop)
         messages = [m.as_template_input() for m in body.messages]
-        requests = [
-            TokenizeRequest(client.new_rid(), p, messages=messages)
-            for p in choice_params(params, body.n)
-        ]
+        choices = choice_params(params, body.n)
+        tokenize = TokenizeRequest(client.new_rids(body.n), choices, messages=messages)
         return await generate(
-            client,
-            ChatFormat(),
-            args.served_model_name,
-            requests,
-            body.n,
-            want_logprobs=body.logprobs,
-            stream=body.stream,
-            include_usage=body.include_usage,
-        )
+            request, client, ChatFormat(), args.served_model_name, tokenize, body.n,
+            want_logprobs=body.logprobs, stream=body.stream, include_usage=body.include_usage,
+            timeout=args.request_timeout,
+        )  # fmt: skip
 
     return app
 
 
+class _IdleTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn times a connection out only after a response: one that never sends a request
+    would hold its file descriptor for ever. The keep-alive timer runs from the start here."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+
 def run_api_server(args: ServerArgs, addresses: Addresses) -> None:
-    """The process entry point; serves until terminated."""
-    client = EngineClient(addresses, Metrics())
-    uvicorn.run(
-        create_app(args, client),
+    """The process entry point; serves until SIGTERM, then drains."""
+    client = EngineClient(addresses, Metrics(), args.limits.max_queued_requests)
+    config = uvicorn.Config(
+        # the server is bound below, before the app can call this
+        create_app(args, client, lambda: setattr(server, "should_exit", True)),
         host=args.host,
         port=args.port,
-        log_level="warning" if args.shell else "info",
-        timeout_graceful_shutdown=2,
+        loop="uvloop",
+        http=_IdleTimeoutProtocol,
+        log_level="warning" if args.shell else args.log_level,
+        access_log=not args.shell,
+        timeout_keep_alive=max(1, round(args.timeout_keep_alive)),
+        timeout_graceful_shutdown=1,
     )
+    server = uvicorn.Server(config)
+    server.run()

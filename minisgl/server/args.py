@@ -1,7 +1,8 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from minisgl.engine import EngineConfig
-from minisgl.scheduler import SchedulerConfig
+from minisgl.config import EngineConfig, SchedulerConfig
+
+from .limits import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -15,3 +16,19 @@ class ServerArgs:
     port: int = 1919
     api_key: str | None = None
     shell: bool = False
+    chat_template: str | None = None  # a Jinja template used instead of the model's
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    request_timeout: float | None = None  # seconds a request may run; None: no limit
+    shutdown_timeout: float = 10.0  # seconds running requests may finish after SIGTERM
+    health_timeout: float = 20.0  # /health fails once the scheduler was silent this long
+    timeout_keep_alive: float = 5.0  # seconds an idle HTTP connection stays open
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 1-65535, not {self.port}")
+        timeouts = [self.shutdown_timeout, self.health_timeout, self.timeout_keep_alive]
+        if self.request_timeout is not None:
+            timeouts.append(self.request_timeout)
+        if not all(t > 0 for t in timeouts):
+            raise ValueError("timeouts must be > 0 seconds")

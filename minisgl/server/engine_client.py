@@ -1,7 +1,9 @@
-"""The API server's side of the wire: submits requests to the tokenizer process and routes the text
-chunks that come back to the HTTP handler waiting for them. Records the per-request metrics."""
+"""The API server's side of the wire: submits requests to the tokenizer process and routes what
+comes back to the HTTP handler waiting for it. Records the per-request metrics, and knows whether
+the engine is alive (its heartbeats) and how many requests wait for a first token."""
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -13,9 +15,11 @@ import zmq.asyncio
 from minisgl.messages import (
     AbortRequest,
     Addresses,
-    ReqChunk,
+    Finished,
+    Heartbeat,
+    Ready,
     ReqError,
-    SchedulerLimits,
+    TextLogprobs,
     TextOutputs,
     TokenizeRequest,
     bind_pull,
@@ -24,27 +28,48 @@ from minisgl.messages import (
     send,
 )
 
+from .errors import ApiError
 from .metrics import Metrics
 
-Item = ReqChunk | ReqError
+
+@dataclass
+class Delta:
+    """New text of one choice, from `num_tokens` tokens."""
+
+    text: str
+    num_tokens: int
+    logprobs: list[TextLogprobs] | None
+
+
+@dataclass
+class Interrupted:
+    """The server stopped the request before it ended (shutdown, timeout): answer with this."""
+
+    status: int
+    message: str
+
+
+Item = Delta | Finished | ReqError | Interrupted
 
 
 class ReqGroup:
     """The engine requests behind one API request. Their items arrive on one queue, as
-    (index in the group, item); a request ends with a finishing chunk or an error."""
+    (index in the group, item); a request ends with its Finished, an error or an interruption."""
 
     def __init__(self, rids: list[int]) -> None:
         self.rids = rids
         self.queue: asyncio.Queue[tuple[int, Item]] = asyncio.Queue()
         self.unfinished = set(rids)  # updated by the client as final items arrive
 
-    async def items(self) -> AsyncIterator[tuple[int, Item]]:
-        """Every item, until every request has ended."""
+    async def batches(self) -> AsyncIterator[list[tuple[int, Item]]]:
+        """Every item, as lists of those that arrived together, until every request ended."""
         remaining = len(self.rids)
         while remaining:
-            index, item = await self.queue.get()
-            remaining -= isinstance(item, ReqError) or item.finish_reason is not None
-            yield index, item
+            batch = [await self.queue.get()]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            remaining -= sum(not isinstance(item, Delta) for _, item in batch)
+            yield batch
 
 
 @dataclass
@@ -56,64 +81,129 @@ class _Route:
 
 
 class EngineClient:
-    def __init__(self, addresses: Addresses, metrics: Metrics) -> None:
+    def __init__(
+        self, addresses: Addresses, metrics: Metrics, max_queued: int | None = None
+    ) -> None:
         self.metrics = metrics
-        self.limits: SchedulerLimits | None = None  # set when the engine is ready
+        self.limits: Ready | None = None  # set when the engine is ready
+        self.last_heartbeat = 0.0
+        self.draining = False  # shutting down: no new requests
+        self._max_queued = max_queued
+        self._num_queued = 0  # submitted requests without a first token yet
         self._to_tokenizer = connect_push(zmq.Context(), addresses.tokenizer)
         self._inbox = bind_pull(zmq.asyncio.Context(), addresses.api)
         self._routes: dict[int, _Route] = {}
+        self._groups: set[ReqGroup] = set()
         self._rids = itertools.count()
+        self._idle = asyncio.Event()
 
-    def new_rid(self) -> int:
-        return next(self._rids)
+    def new_rids(self, n: int) -> list[int]:
+        return [next(self._rids) for _ in range(n)]
 
-    def submit(self, requests: list[TokenizeRequest]) -> ReqGroup:
-        group = ReqGroup([r.rid for r in requests])
+    def submit(self, request: TokenizeRequest) -> ReqGroup:
+        """Send the request on; raises ApiError(429) when the queue is full, 503 when draining."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down")
+        n = len(request.rids)
+        if self._max_queued is not None and self._num_queued + n > self._max_queued:
+            raise ApiError(
+                429, "too many requests are waiting; try again later", headers={"Retry-After": "1"}
+            )
+        group = ReqGroup(request.rids)
         now = time.monotonic()
-        for index, request in enumerate(requests):
-            self._routes[request.rid] = _Route(group, index, now)
-            send(self._to_tokenizer, request)
+        for index, rid in enumerate(request.rids):
+            self._routes[rid] = _Route(group, index, now)
+        self._num_queued += n
+        self._groups.add(group)
+        self._idle.clear()
+        send(self._to_tokenizer, request)
         return group
 
     def abort(self, group: ReqGroup) -> None:
         """Stop every request of the group that has not ended; their pages are freed."""
-        for rid in group.unfinished:
-            self._routes[rid].group = None
-            send(self._to_tokenizer, AbortRequest(rid))
-        group.unfinished.clear()
+        if group.unfinished:
+            for rid in group.unfinished:
+                self._routes[rid].group = None
+            send(self._to_tokenizer, AbortRequest(sorted(group.unfinished)))
+            group.unfinished.clear()
+        self._release(group)
 
+    def interrupt_all(self, status: int, message: str) -> None:
+        """End every open request with Interrupted (their handlers answer it) and abort them."""
+        for group in list(self._groups):
+            for rid in group.unfinished:
+                group.queue.put_nowait((self._routes[rid].index, Interrupted(status, message)))
+            self.abort(group)
+
+    async def wait_idle(self, timeout: float) -> None:
+        """Until no request is open, or `timeout` seconds."""
+        if self._groups:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout)
+
+    def healthy(self, heartbeat_timeout: float) -> bool:
+        return (
+            self.limits is not None
+            and not self.draining
+            and time.monotonic() - self.last_heartbeat < heartbeat_timeout
+        )
+
+    def _release(self, group: ReqGroup) -> None:
+        self._groups.discard(group)
+        if not self._groups:
+            self._idle.set()
+
+    # ------------------------------------------------------------------ the way back
     async def run(self) -> None:
         """Route everything the tokenizer process sends; runs for the server's lifetime."""
         while True:
             msg = decode(await self._inbox.recv())
-            if isinstance(msg, SchedulerLimits):
-                self.limits = msg
-                continue
-            assert isinstance(msg, TextOutputs)
-            now = time.monotonic()
-            for chunk in msg.chunks:
-                self._on_chunk(chunk, now)
-            for error in msg.errors:
-                self.metrics.request_finished("error", 0)
-                self._deliver(self._routes.pop(error.rid), error)
-            if msg.load is not None:
-                self.metrics.set_load(msg.load)
+            if isinstance(msg, Heartbeat):
+                self.last_heartbeat = time.monotonic()
+            elif isinstance(msg, Ready):
+                self.limits, self.last_heartbeat = msg, time.monotonic()
+            else:
+                assert isinstance(msg, TextOutputs)
+                self._on_outputs(msg)
 
-    def _on_chunk(self, chunk: ReqChunk, now: float) -> None:
-        route = self._routes[chunk.rid]
-        if chunk.token_id is not None:
-            since = route.submitted if route.last_token is None else route.last_token
-            self.metrics.token_arrived(now - since, first=route.last_token is None)
-            route.last_token = now
-        if chunk.finish_reason is not None:
-            self.metrics.request_finished(chunk.finish_reason, chunk.prompt_tokens)
-            del self._routes[chunk.rid]
-        self._deliver(route, chunk)
+    def _on_outputs(self, msg: TextOutputs) -> None:
+        now = time.monotonic()
+        for i, (rid, text, num_tokens) in enumerate(
+            zip(msg.rids, msg.texts, msg.num_tokens, strict=True)
+        ):
+            route = self._routes.get(rid)
+            if route is None:
+                continue
+            if num_tokens:
+                first = route.last_token is None
+                since = route.submitted if first else route.last_token
+                self.metrics.tokens_arrived(num_tokens, now - since, first)
+                self._num_queued -= first
+                route.last_token = now
+            logprobs = None if msg.logprobs is None else msg.logprobs[i]
+            self._deliver(route, Delta(text, num_tokens, logprobs))
+        for finish in msg.finished:
+            self.metrics.request_finished(finish)
+            self._end(finish.rid, finish)
+        for error in msg.errors:
+            self.metrics.request_failed()
+            self._end(error.rid, error)
+        if msg.load is not None:
+            self.metrics.set_load(msg.load)
+
+    def _end(self, rid: int, item: Finished | ReqError) -> None:
+        route = self._routes.pop(rid, None)
+        if route is None:
+            return
+        self._num_queued -= route.last_token is None
+        self._deliver(route, item)
+        group = route.group
+        if group is not None:
+            group.unfinished.discard(rid)
+            if not group.unfinished:
+                self._release(group)
 
     @staticmethod
     def _deliver(route: _Route, item: Item) -> None:
-        if route.group is None:
-            return
-        if isinstance(item, ReqError) or item.finish_reason is not None:
-            route.group.unfinished.discard(route.group.rids[route.index])
-        route.group.queue.put_nowait((route.index, item))
+        if route.group is not None:
+            route.group.queue.put_nowait((route.index, item))

@@ -1,57 +1,76 @@
-"""The machinery completions and chat share: fan an API request out into engine requests, wait
-until each has started (so a rejected one still gets a 400), then stream or collect the choices."""
+"""The machinery completions and chat share: send an API request's engine requests, wait until
+each has started (so a rejected one still gets a 400), then stream or collect the choices.
 
-import json
+A request ends early when its client goes away (streaming or not: its engine requests are
+aborted), when it runs past --request-timeout, or when the server shuts down."""
+
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
+import orjson
+from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from minisgl.messages import ReqChunk, ReqError, TokenizeRequest
+from minisgl.messages import Finished, ReqError, TokenizeRequest
 
-from .engine_client import EngineClient, Item, ReqGroup
-from .responses import ApiError, Choice, ResponseFormat, usage
+from .engine_client import Delta, EngineClient, Interrupted, Item, ReqGroup
+from .errors import ApiError
+from .responses import Choice, ResponseFormat, usage
+
+T = TypeVar("T")
+Batch = list[tuple[int, Item]]
 
 
 async def generate(
+    request: Request,
     client: EngineClient,
     fmt: ResponseFormat,
     model: str,
-    requests: list[TokenizeRequest],
+    tokenize: TokenizeRequest,
     n: int,
     want_logprobs: bool,
     stream: bool,
     include_usage: bool,
+    timeout: float | None,
 ) -> Response:
-    """Run `requests` (n consecutive ones per prompt) and answer with one response."""
-    group = client.submit(requests)
-    items = group.items()
+    """Run `tokenize`'s requests (n consecutive ones per prompt) and answer with one response."""
+    group = client.submit(tokenize)
+    run = _Run(client, group, fmt, model, n, want_logprobs, timeout)
     try:
-        started = await _wait_started(items, len(requests))
+        first = await _until_disconnected(request, run.started())
     except BaseException:
         client.abort(group)
         raise
-    run = _Run(client, group, fmt, model, n, want_logprobs)
     if stream:
-        body = run.stream(started, items, include_usage)
-        return StreamingResponse(body, media_type="text/event-stream")
-    return JSONResponse(await run.collect(started, items))
+        return StreamingResponse(run.stream(first, include_usage), media_type="text/event-stream")
+    try:
+        return JSONResponse(await _until_disconnected(request, run.collect(first)))
+    finally:
+        client.abort(group)  # a no-op unless the request was cut short
 
 
-async def _wait_started(
-    items: AsyncIterator[tuple[int, Item]], count: int
-) -> list[tuple[int, ReqChunk]]:
-    """The first chunk of every request; raises ApiError(400) if one was rejected."""
-    started: list[tuple[int, ReqChunk]] = []
-    while len(started) < count:
-        index, item = await anext(items)
-        if isinstance(item, ReqError):
-            raise ApiError(400, item.message)
-        started.append((index, item))
-    return started
+async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; cancels it (CancelledError) if the client disconnects first. Streaming
+    responses need no watcher: Starlette cancels a stream whose client went away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise asyncio.CancelledError("the client disconnected")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _Run:
@@ -63,63 +82,103 @@ class _Run:
         model: str,
         n: int,
         want_logprobs: bool,
+        timeout: float | None,
     ) -> None:
         self.client, self.group, self.fmt = client, group, fmt
         self.model, self.n, self.want_logprobs = model, n, want_logprobs
         self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.choices = [Choice() for _ in group.rids]
+        self._batches = group.batches()
 
-    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        return self.fmt.envelope(self.id, self.created, self.model, choices, chunk)
-
-    async def _chunks(
-        self, started: list[tuple[int, ReqChunk]], rest: AsyncIterator[tuple[int, Item]]
-    ) -> AsyncIterator[tuple[int, ReqChunk]]:
-        for index, chunk in started:
-            yield index, chunk
-        async for index, item in rest:
-            assert isinstance(item, ReqChunk), "requests are rejected before they start"
-            yield index, item
-
-    async def collect(
-        self, started: list[tuple[int, ReqChunk]], rest: AsyncIterator[tuple[int, Item]]
-    ) -> dict[str, Any]:
+    async def _next(self) -> Batch:
+        """The next items; raises ApiError for an error or an interruption, and at the deadline."""
+        left = None if self.deadline is None else self.deadline - time.monotonic()
         try:
-            async for index, chunk in self._chunks(started, rest):
-                self.choices[index].add(chunk)
-        finally:
-            self.client.abort(self.group)  # a no-op unless this handler was cancelled
+            batch = await asyncio.wait_for(anext(self._batches), left)
+        except TimeoutError:
+            self.client.abort(self.group)
+            raise ApiError(
+                408, "the request took longer than the server's --request-timeout"
+            ) from None
+        for _, item in batch:
+            if isinstance(item, ReqError):
+                raise ApiError(400, item.message)
+            if isinstance(item, Interrupted):
+                raise ApiError(item.status, item.message)
+        return batch
+
+    async def started(self) -> Batch:
+        """Items until every request has started (its first item), so that a request rejected
+        by the tokenizer or the scheduler is answered with an error before anything is sent."""
+        items: Batch = []
+        started: set[int] = set()
+        while len(started) < len(self.choices):
+            batch = await self._next()
+            items += batch
+            started.update(index for index, _ in batch)
+        return items
+
+    def _apply(self, batch: Batch) -> dict[int, Choice]:
+        """Add the items to the choices; returns what each choice got, merged per choice."""
+        pieces: dict[int, Choice] = {}
+        for index, item in batch:
+            piece = pieces.setdefault(index, Choice())
+            if isinstance(item, Delta):
+                self.choices[index].add(item.text, item.num_tokens, item.logprobs)
+                piece.add(item.text, item.num_tokens, item.logprobs)
+            else:
+                assert isinstance(item, Finished)
+                self.choices[index].end = piece.end = item
+        return pieces
+
+    def _ended(self) -> bool:
+        return all(c.end is not None for c in self.choices)
+
+    async def collect(self, first: Batch) -> dict[str, Any]:
+        self._apply(first)
+        while not self._ended():
+            self._apply(await self._next())
         choices = [
             self.fmt.choice(i, c, 0, self.want_logprobs, delta=False, first=True)
             for i, c in enumerate(self.choices)
         ]
         return {**self._envelope(choices, chunk=False), "usage": usage(self.choices, self.n)}
 
-    async def stream(
-        self,
-        started: list[tuple[int, ReqChunk]],
-        rest: AsyncIterator[tuple[int, Item]],
-        include_usage: bool,
-    ) -> AsyncIterator[str]:
-        """Server-sent events; a client that goes away cancels this, which aborts its requests."""
+    async def stream(self, first: Batch, include_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events, one per choice for all it got since the last; a client that goes
+        away cancels this, which aborts its requests. An error after the start is an error
+        event, then [DONE]."""
+        sent: set[int] = set()
+        batch = first
         try:
-            async for index, chunk in self._chunks(started, rest):
-                choice, piece = self.choices[index], Choice()
-                piece.add(chunk)
-                first, offset = not choice.completion_tokens, len(choice.text)
-                choice.add(chunk)
-                if first or chunk.text or chunk.logprob or chunk.finish_reason:
-                    data = self.fmt.choice(index, piece, offset, self.want_logprobs, True, first)
-                    yield _event(self._envelope([data], chunk=True))
+            while True:
+                offsets = {i: len(c.text) for i, c in enumerate(self.choices)}
+                for index, piece in self._apply(batch).items():
+                    is_first = index not in sent
+                    if is_first or piece.text or piece.logprobs or piece.end:
+                        sent.add(index)
+                        data = self.fmt.choice(
+                            index, piece, offsets[index], self.want_logprobs, True, is_first
+                        )
+                        yield _event(self._envelope([data], chunk=True))
+                if self._ended():
+                    break
+                batch = await self._next()
             if include_usage:
                 yield _event(
                     {**self._envelope([], chunk=True), "usage": usage(self.choices, self.n)}
                 )
-            yield "data: [DONE]\n\n"
+        except ApiError as e:
+            yield _event(e.body())
         finally:
             self.client.abort(self.group)
+        yield b"data: [DONE]\n\n"
+
+    def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        return self.fmt.envelope(self.id, self.created, self.model, choices, chunk)
 
 
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"

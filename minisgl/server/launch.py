@@ -1,68 +1,79 @@
 """The launcher: starts every process, waits until the server answers, then serves (or runs the
-shell) until SIGINT/SIGTERM or until a child dies; then stops every child and removes the ipc files.
+shell) until SIGINT/SIGTERM or until a child dies.
 
     launcher ─┬─ scheduler rank 0 .. tp-1   (minisgl.scheduler.worker)
               ├─ tokenizer + detokenizer    (minisgl.tokenizer.worker)
               └─ API server                 (minisgl.server.api_server)
+
+On SIGINT or SIGTERM it lets the API server drain (--shutdown-timeout), then stops the rest. The
+children talk over abstract sockets and die with the launcher, however it ends: nothing is left
+behind. This module imports nothing heavy: each child imports only its own entry point.
 """
 
 import ctypes
+import importlib
 import multiprocessing
 import multiprocessing.connection
-import shutil
+import os
+import resource
 import signal
 import socket
 import sys
-import tempfile
 import time
+import traceback
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
 from minisgl.messages import Addresses
-from minisgl.scheduler.worker import run_scheduler
-from minisgl.tokenizer import run_tokenizer
 
-from .api_server import run_api_server
 from .args import ServerArgs
 from .shell import run_shell
 
 _STOP_TIMEOUT_S = 5.0
-_PR_SET_PDEATHSIG = 1
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
 class _Stop(Exception):
     """Raised in the launcher by SIGTERM or SIGHUP (SIGINT raises KeyboardInterrupt)."""
 
 
-def _child_main(target: Callable[..., None], *args: Any) -> None:
-    """Every child: ignore the terminal's Ctrl-C and hang-up (the launcher stops the children)
-    and die with the launcher even if it is killed outright."""
+def _child_main(name: str, target: str, *args: Any) -> None:
+    """Every child: named `name` in `ps` and /proc (comm), ignoring the terminal's Ctrl-C and
+    hang-up (the launcher stops the children), dying with the launcher even if it is killed
+    outright; then the entry point `target` ("module:function"). A bad setting only the child
+    can find (ValueError) ends it with one line, not a traceback."""
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    target(*args)
+        libc = ctypes.CDLL(None)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15])
+    module, _, function = target.partition(":")
+    try:
+        getattr(importlib.import_module(module), function)(*args)
+    except ValueError as e:
+        print(f"minisgl: {name}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def _raise_open_file_limit() -> None:
+    """Every connection holds a file: take the hard limit, as vLLM and SGLang do."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """Fail before starting anything, rather than mistake another server's /health for ours."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror}") from e
 
 
 def _base_url(args: ServerArgs) -> str:
@@ -75,10 +86,10 @@ def _start(args: ServerArgs, addresses: Addresses, procs: list[BaseProcess]) -> 
     """Start every child, adding each to `procs` as it starts (a signal may cut this short)."""
     ctx = multiprocessing.get_context("spawn")
     dist_init = f"tcp://127.0.0.1:{_free_port()}" if args.engine.tp_size > 1 else None
-    children: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
+    children: list[tuple[str, str, tuple[Any, ...]]] = [
         (
             f"scheduler-{rank}",
-            run_scheduler,
+            "minisgl.scheduler.worker:run_scheduler",
             (
                 replace(args.engine, tp_rank=rank, dist_init_method=dist_init),
                 args.scheduler,
@@ -87,23 +98,32 @@ def _start(args: ServerArgs, addresses: Addresses, procs: list[BaseProcess]) -> 
         )
         for rank in range(args.engine.tp_size)
     ]
-    children.append(("tokenizer", run_tokenizer, (args.engine.model_path, addresses)))
-    children.append(("api-server", run_api_server, (args, addresses)))
+    tokenizer_args = (args.engine.model_path, addresses, args.chat_template)
+    children.append(("tokenizer", "minisgl.tokenizer.worker:run_tokenizer", tokenizer_args))
+    children.append(("api-server", "minisgl.server.api_server:run_api_server", (args, addresses)))
     for name, target, target_args in children:
-        proc = ctx.Process(target=_child_main, args=(target, *target_args), name=name, daemon=True)
+        proc = ctx.Process(
+            target=_child_main, args=(name, target, *target_args), name=name, daemon=True
+        )
         proc.start()
         procs.append(proc)
 
 
 def _dead(procs: list[BaseProcess]) -> list[str]:
-    return [f"{p.name} (exit code {p.exitcode})" for p in procs if not p.is_alive()]
+    """The children that have exited, with their exit codes."""
+    dead = []
+    for proc in procs:
+        proc.join(0)  # reaps it if it has exited: its exit code is then known
+        if proc.exitcode is not None:
+            dead.append(f"{proc.name} (exit code {proc.exitcode})")
+    return dead
 
 
 def _wait_ready(url: str, procs: list[BaseProcess]) -> None:
     """Until GET /health answers 200, which the API server does once the engine is ready."""
     while True:
         if dead := _dead(procs):
-            raise RuntimeError(f"a process died during start-up: {', '.join(dead)}")
+            raise RuntimeError(f"a process exited during start-up: {', '.join(dead)}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=1) as response:
                 if response.status == 200:
@@ -111,6 +131,14 @@ def _wait_ready(url: str, procs: list[BaseProcess]) -> None:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.2)
+
+
+def _drain(procs: list[BaseProcess], shutdown_timeout: float) -> None:
+    """Let the API server answer what it has (SIGTERM: it drains, then exits)."""
+    api = next((p for p in procs if p.name == "api-server"), None)
+    if api is not None and api.is_alive():
+        api.terminate()
+        api.join(shutdown_timeout + _STOP_TIMEOUT_S)
 
 
 def _stop(procs: list[BaseProcess]) -> None:
@@ -134,21 +162,23 @@ def launch(args: ServerArgs) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal was closed
         signal.signal(signum, on_stop_signal)
-    ipc_dir = tempfile.mkdtemp(prefix="minisgl-")
+    _raise_open_file_limit()  # the children inherit it
+    os.environ["MINISGL_LOG_LEVEL"] = args.log_level  # read by the children's loggers
     procs: list[BaseProcess] = []
     url = _base_url(args)
+    stopping = False
     try:
-        _check_port_free(args.host, args.port)
-        _start(args, Addresses.in_dir(ipc_dir, args.engine.tp_size), procs)
+        _start(args, Addresses.new(args.engine.tp_size), procs)
         _wait_ready(url, procs)
         if args.shell:
             run_shell(url, args.served_model_name, args.api_key)
             return 0
         print(f"minisgl: serving {args.served_model_name} at {url}/v1", file=sys.stderr, flush=True)
         multiprocessing.connection.wait([p.sentinel for p in procs])
-        print(f"minisgl: a process died: {', '.join(_dead(procs))}", file=sys.stderr)
+        print(f"minisgl: a process exited: {', '.join(_dead(procs))}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, _Stop):
+        stopping = True
         return 0
     except RuntimeError as e:
         print(f"minisgl: {e}", file=sys.stderr)
@@ -156,5 +186,6 @@ def launch(args: ServerArgs) -> int:
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        if stopping:
+            _drain(procs, args.shutdown_timeout)
         _stop(procs)
-        shutil.rmtree(ipc_dir, ignore_errors=True)

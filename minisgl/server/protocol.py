@@ -1,21 +1,48 @@
 """OpenAI request bodies, and how their fields map onto SamplingParams.
 
-Field types are checked strictly (a string is not a number); value rules (ranges, non-empty stop
+Bodies are parsed with orjson, which refuses what no JSON encoder should write (NaN, Infinity,
+lone surrogates, invalid UTF-8, nesting deeper than 1,024); field types are checked strictly (a
+string is not a number) and every integer must fit int64. Value rules (ranges, non-empty stop
 strings, ...) are SamplingParams' own. Fields left out keep SamplingParams' defaults, which match
 OpenAI's (temperature 1, top_p 1, max_tokens 16 for completions), except chat's max_tokens, which
 defaults to the rest of the context (as in vLLM): the request runs until the context is full.
 """
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from minisgl.core import SamplingParams
+from minisgl.core import INT64_MAX, INT64_MIN, SamplingParams
+
+from .errors import ApiError
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+Body = TypeVar("Body", bound=_Strict)
+
+
+def parse_body(data: bytes, schema: type[Body]) -> Body:
+    """The request body as `schema`; raises ApiError(400) saying what is wrong with it."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    try:
+        return schema.model_validate(obj)
+    except ValidationError as e:
+        details = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()
+        )
+        raise ApiError(400, details) from None
 
 
 class StreamOptions(_Strict):
@@ -28,17 +55,17 @@ class _GenerateRequest(_Strict):
     model: str | None = None  # None: the served model
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    n: Annotated[Int64, Field(ge=1)] = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int64 | None = None
+    min_p: Float | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
-    frequency_penalty: float | None = None  # accepted only at their neutral value, 0
-    presence_penalty: float | None = None
+    frequency_penalty: Float | None = None  # accepted only at their neutral value, 0
+    presence_penalty: Float | None = None
     user: str | None = None
 
     @property
@@ -46,9 +73,9 @@ class _GenerateRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError for values SamplingParams rejects."""
+        """Raises ApiError(400) for values SamplingParams rejects."""
         if self.frequency_penalty or self.presence_penalty:
-            raise ValueError("frequency_penalty and presence_penalty are not supported")
+            raise ApiError(400, "frequency_penalty and presence_penalty are not supported")
         given: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -61,7 +88,10 @@ class _GenerateRequest(_Strict):
             "max_tokens": max_tokens,
             "logprobs": logprobs,
         }
-        return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+        try:
+            return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -74,9 +104,9 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 class CompletionRequest(_GenerateRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None
-    logprobs: int | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int64 | None = None
+    logprobs: Int64 | None = None
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -84,12 +114,12 @@ class CompletionRequest(_GenerateRequest):
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
             return [self.prompt]  # type: ignore[list-item]
         if not self.prompt:
-            raise ValueError("prompt must not be empty")
+            raise ApiError(400, "prompt must not be empty")
         return list(self.prompt)  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise ApiError(400, "echo is not supported")
         return self._params(self.max_tokens, self.logprobs)
 
 
@@ -112,14 +142,14 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_GenerateRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
 
     def sampling_params(self, max_seq_len: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise ApiError(400, "top_logprobs needs logprobs: true")
         max_tokens = next(
             (m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
             max_seq_len,

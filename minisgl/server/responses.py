@@ -1,62 +1,50 @@
 """OpenAI response shapes. Completions and chat differ only in how a choice is written; the
-envelope, usage, errors and the streaming machinery (generation.py) are shared."""
+envelope, usage and the streaming machinery (generation.py) are shared."""
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.core import FinishReason
-from minisgl.messages import ReqChunk, TokenLogprob
-
-
-class ApiError(Exception):
-    """Answered in OpenAI's error shape with this HTTP status."""
-
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        error_type = "invalid_request_error" if self.status < 500 else "server_error"
-        return {
-            "error": {"message": self.message, "type": error_type, "param": None, "code": self.code}
-        }
+from minisgl.messages import Finished, TextLogprobs
 
 
 @dataclass
 class Choice:
-    """One choice: the text and logprobs of the chunks given to `add`, and the latest counts."""
+    """One choice's text, logprobs and token count so far, and how it ended."""
 
     text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    matched_stop: str | int | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
+    logprobs: list[TextLogprobs] = field(default_factory=list)
+    num_tokens: int = 0
+    end: Finished | None = None
 
-    def add(self, chunk: ReqChunk) -> None:
-        self.text += chunk.text
-        if chunk.logprob is not None:
-            self.logprobs.append(chunk.logprob)
-        self.finish_reason, self.matched_stop = chunk.finish_reason, chunk.matched_stop
-        self.prompt_tokens = chunk.prompt_tokens
-        self.completion_tokens = chunk.completion_tokens
-        self.cached_tokens = chunk.cached_tokens
+    def add(self, text: str, num_tokens: int, logprobs: list[TextLogprobs] | None) -> None:
+        self.text += text
+        self.num_tokens += num_tokens
+        if logprobs:
+            self.logprobs += logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.end is None else self.end.reason
+
+    @property
+    def matched_stop(self) -> str | int | None:
+        return None if self.end is None else self.end.matched_stop
 
 
 def usage(choices: list[Choice], n: int) -> dict[str, Any]:
-    """Token counts of a response; each prompt's tokens count once, however many choices it has."""
-    per_prompt = choices[::n]
-    prompt = sum(c.prompt_tokens for c in per_prompt)
-    completion = sum(c.completion_tokens for c in choices)
+    """Token counts of a response (its choices have ended); each prompt's tokens count once,
+    however many choices it has."""
+    ends = [c.end for c in choices]
+    assert all(e is not None for e in ends), "usage is counted when every choice has ended"
+    prompt = sum(e.prompt_tokens for e in ends[::n])  # type: ignore[union-attr]
+    completion = sum(e.completion_tokens for e in ends)  # type: ignore[union-attr]
+    cached = sum(e.cached_tokens for e in ends[::n])  # type: ignore[union-attr]
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in per_prompt)},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -156,7 +144,7 @@ class ChatFormat(ResponseFormat):
         return out
 
 
-def _chat_logprob(t: TokenLogprob) -> dict[str, Any]:
+def _chat_logprob(t: TextLogprobs) -> dict[str, Any]:
     def entry(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 

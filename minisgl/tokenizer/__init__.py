@@ -1,4 +1,2 @@
-from .detokenizer import IncrementalDetokenizer
-from .worker import TokenizerWorker, prompt_ids, run_tokenizer
-
-__all__ = ["IncrementalDetokenizer", "TokenizerWorker", "prompt_ids", "run_tokenizer"]
+"""Tokenization and incremental detokenization (`detokenizer`, `stop_matcher`), and the tokenizer
+process (`worker`)."""

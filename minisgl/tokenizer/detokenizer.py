@@ -2,12 +2,18 @@
 
 A piece is released only when it is final: never half of a multi-byte character (the decoder shows
 those as U+FFFD until the rest arrives), and never a tail that could still grow into a stop string.
-The finished text excludes the stop string, and the pieces always concatenate to the final text.
+The stop strings are found here, in the text as it is decoded (with the prompt's last tokens as
+context, as the whole output is decoded): the text ends before the first one, and the pieces always
+concatenate to the final text.
 """
 
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
+
+from minisgl.messages import Finished
+
+from .stop_matcher import StopMatcher
 
 # prompt tokens decoded with the first output tokens, so a leading space is rendered as in context
 _CONTEXT_TOKENS = 5
@@ -18,15 +24,17 @@ class IncrementalDetokenizer:
         self,
         tokenizer: PreTrainedTokenizerBase,
         prompt_ids: Sequence[int],
-        stop: Sequence[str] = (),
+        stop: tuple[str, ...] = (),
     ) -> None:
         self.tokenizer = tokenizer
-        self.stop = tuple(stop)
-        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._stops = StopMatcher(stop) if stop else None
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])  # only the ids still to be decoded again
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""  # decoded output so far
         self._released = 0  # characters of self.text already handed out
+        self.num_tokens = 0  # output tokens given, up to the one that completed a stop string
+        self.matched_stop: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -36,38 +44,54 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
             self.text += new_text[len(prefix_text) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            # the ids before the new prefix are never decoded again
+            del self._ids[: self._read_offset]
+            self._prefix_offset, self._read_offset = 0, len(self._ids)
 
     def step(
         self, token_ids: Sequence[int], finished: bool = False, stop_token: bool = False
     ) -> str:
-        """Add sampled tokens (one per step when streaming, all at once otherwise); returns the
-        text that became final. With stop_token, the last token is the eos or stop id that
-        finished the request: it contributes no text."""
+        """Add sampled tokens (one per step when streaming or matching stop strings; all at once
+        otherwise); returns the text that became final. With stop_token, the last token is the
+        eos or stop id that finished the request: it contributes no text. Once a stop string has
+        ended the text, later tokens add nothing."""
+        if self.matched_stop is not None:
+            return ""
+        self.num_tokens += len(token_ids)
         new = token_ids[:-1] if stop_token else token_ids
+        scanned = len(self.text)
         if new:
             self._ids.extend(new)
             self._read(final=finished)
         elif finished:
             self._read(final=True)
-        end = self._final_length() if finished else self._safe_length()
+        if self._stops is not None:
+            found = self._stops.feed(self.text, scanned)
+            if found is not None:
+                cut, self.matched_stop = found
+                self.text, finished = self.text[:cut], True
+        end = len(self.text)
+        if not finished and self._stops is not None:
+            end -= self._stops.held
         piece = self.text[self._released : end]
         self._released = max(self._released, end)
-        if finished:
-            self.text = self.text[:end]
         return piece
 
-    def _final_length(self) -> int:
-        """The text ends before the first stop string, if any."""
-        cuts = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
-        return min(cuts, default=len(self.text))
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the text: the request must be stopped."""
+        return self.matched_stop is not None
 
-    def _safe_length(self) -> int:
-        """Hold back the longest tail that could be the start of a stop string."""
-        end = self._final_length()
-        if end == len(self.text):
-            for stop in self.stop:
-                longest = min(len(stop) - 1, end)
-                n = next((n for n in range(longest, 0, -1) if self.text.endswith(stop[:n])), 0)
-                end = min(end, len(self.text) - n)
-        return max(end, self._released)
+    def end(self, finish: Finished) -> Finished:
+        """The request's end as the client sees it: a stop string ends it where it matched, with
+        the tokens up to the one that completed it."""
+        if self.matched_stop is None:
+            return finish
+        return Finished(
+            rid=finish.rid,
+            reason="stop",
+            matched_stop=self.matched_stop,
+            prompt_tokens=finish.prompt_tokens,
+            completion_tokens=self.num_tokens,
+            cached_tokens=finish.cached_tokens,
+        )

@@ -1,144 +1,166 @@
 """The tokenizer process: text to token ids on the way in, token ids to text on the way out.
 
-It owns the tokenizer and every request's IncrementalDetokenizer. Prompts that cannot fit the
-context are answered with an error here, before they reach the scheduler's queue.
+Two threads, so that a long prompt being tokenized never holds back the text of running requests
+(the tokenizers library releases the GIL while it encodes):
+
+    API server ─▶ [tokenize thread]   ─AddRequests, AbortRequest─▶ scheduler
+    API server ◀─ [detokenize thread] ◀─StepOutputs, Ready, Heartbeat── scheduler
+                      └─ AbortRequest (a stop string matched) ─▶ scheduler
+
+The tokenize thread creates each request's IncrementalDetokenizer before the request reaches the
+scheduler; the detokenize thread owns it from then on. Prompts that cannot be served are answered
+with an error here, before they reach the scheduler's queue.
 """
 
+import threading
 from pathlib import Path
-from typing import Any
 
-import jinja2
 import zmq
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from minisgl.core import check_prompt
 from minisgl.messages import (
     AbortRequest,
-    AddRequest,
+    AddRequests,
     Addresses,
-    ReqChunk,
+    Heartbeat,
+    Ready,
     ReqError,
-    SchedulerLimits,
-    SchedulerOutputs,
+    StepOutputs,
+    TextLogprobs,
     TextOutputs,
     TokenizeRequest,
-    TokenLogprob,
+    TokenLogprobs,
     bind_pull,
     connect_push,
     recv_all,
     send,
 )
-from minisgl.scheduler import ReqOutput
 
 from .detokenizer import IncrementalDetokenizer
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: TokenizeRequest) -> list[int]:
-    """The request's prompt as token ids; raises ValueError if it cannot be built."""
-    if request.messages is not None:
-        if tokenizer.chat_template is None:
-            raise ValueError("the model has no chat template; use /v1/completions")
-        try:
-            text = tokenizer.apply_chat_template(
-                request.messages, tokenize=False, add_generation_prompt=True
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"cannot apply the chat template: {e}") from e
-        # the template writes any BOS itself; encoding must not add a second one
-        return tokenizer.encode(text, add_special_tokens=False)
-    if isinstance(request.prompt, str):
-        return tokenizer.encode(request.prompt)
-    assert request.prompt is not None
-    return list(request.prompt)
+from .loader import Tokenizer, load_tokenizer, prompt_ids
 
 
 class TokenizerWorker:
-    def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, to_scheduler: zmq.Socket, to_api: zmq.Socket
-    ) -> None:
+    """The state both threads share: the tokenizer, the scheduler's limits, the detokenizers."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
-        self.to_scheduler = to_scheduler
-        self.to_api = to_api
-        self.limits: SchedulerLimits | None = None
-        self._detoks: dict[int, IncrementalDetokenizer] = {}
+        self.chat_template = chat_template
+        self.limits: Ready | None = None
+        self.detoks: dict[int, IncrementalDetokenizer] = {}
         # token texts are decoded after an anchor token: SentencePiece drops a word's leading
         # space at the start of a text, but the token's text includes it
         self._anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
-        self._anchor_len = len(self._decode(self._anchor))
+        self._anchor_len = len(tokenizer.decode(self._anchor))
 
-    def handle(self, msg: Any) -> None:
-        if isinstance(msg, TokenizeRequest):
-            self._tokenize(msg)
-        elif isinstance(msg, AbortRequest):
-            # the detokenizer goes with the scheduler's abort output, like any finished request's
-            send(self.to_scheduler, msg)
-        elif isinstance(msg, SchedulerOutputs):
-            self._detokenize(msg)
-        elif isinstance(msg, SchedulerLimits):
-            self.limits = msg
-            send(self.to_api, msg)
-        else:
-            raise TypeError(f"unexpected message {type(msg).__name__}")
-
-    def _tokenize(self, request: TokenizeRequest) -> None:
+    # ------------------------------------------------------------------ the way in
+    def tokenize(self, request: TokenizeRequest) -> AddRequests | TextOutputs:
+        """The request's prompts as ids for the scheduler, or an error for each of its rids."""
         assert self.limits is not None, "the API server admits requests only once ready"
+        choices = len(request.params)
         try:
-            ids = prompt_ids(self.tokenizer, request)
-            # rejected here, before queuing, by the scheduler's own rule
-            check_prompt(ids, self.limits.max_seq_len, self.limits.vocab_size)
+            prompts = [
+                prompt_ids(self.tokenizer, prompt, request.messages, self.chat_template)
+                for prompt in request.prompts or [None]
+            ]
+            for ids in prompts:  # rejected here, before queuing, by the scheduler's own rule
+                check_prompt(ids, self.limits.max_seq_len, self.limits.vocab_size)
         except ValueError as e:
-            send(self.to_api, TextOutputs([], [ReqError(request.rid, str(e))]))
-            return
-        self._detoks[request.rid] = IncrementalDetokenizer(self.tokenizer, ids, request.params.stop)
-        send(self.to_scheduler, AddRequest(request.rid, ids, request.params))
+            return TextOutputs(errors=[ReqError(rid, str(e)) for rid in request.rids])
+        rids = [request.rids[i * choices : (i + 1) * choices] for i in range(len(prompts))]
+        for ids, prompt_rids in zip(prompts, rids, strict=True):
+            for rid, params in zip(prompt_rids, request.params, strict=True):
+                self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        return AddRequests(prompts, rids, [request.params] * len(prompts))
 
-    def _detokenize(self, msg: SchedulerOutputs) -> None:
-        chunks = [self._chunk(out) for out in msg.outputs]
-        for error in msg.errors:
-            del self._detoks[error.rid]
-        send(self.to_api, TextOutputs(chunks, msg.errors, msg.load))
+    # ------------------------------------------------------------------ the way out
+    def detokenize(self, out: StepOutputs) -> tuple[TextOutputs, list[int]]:
+        """The step's text, and the requests a stop string ended (to stop in the scheduler)."""
+        ended = {f.rid: f for f in out.finished}
+        text = TextOutputs(errors=out.errors, load=out.load)
+        if out.logprobs is not None:
+            text.logprobs = []
+        to_stop = []
+        for i, (rid, token) in enumerate(zip(out.rids, out.token_ids, strict=True)):
+            detok = self.detoks.get(rid)
+            if detok is None or detok.stopped:  # past its stop string, or already ended
+                continue
+            finish = ended.get(rid)
+            stop_token = finish is not None and isinstance(finish.matched_stop, int)
+            text.rids.append(rid)
+            text.texts.append(detok.step([token], finish is not None, stop_token))
+            text.num_tokens.append(1)
+            if text.logprobs is not None:
+                assert out.logprobs is not None
+                text.logprobs.append(self._logprobs(token, out.logprobs[i]))
+            if detok.stopped and finish is None:
+                to_stop.append(rid)
+        stepped = set(out.rids)
+        for finish in out.finished:
+            detok = self.detoks.pop(finish.rid, None)
+            if detok is None:
+                continue
+            if finish.rid not in stepped:  # ended without a token this step (aborted)
+                piece = detok.step([], finished=True)
+                if piece:
+                    text.rids.append(finish.rid)
+                    text.texts.append(piece)
+                    text.num_tokens.append(0)
+                    if text.logprobs is not None:
+                        text.logprobs.append([])
+            text.finished.append(detok.end(finish))
+        for error in out.errors:
+            self.detoks.pop(error.rid, None)
+        return text, to_stop
 
-    def _chunk(self, out: ReqOutput) -> ReqChunk:
-        finished = out.finish_reason is not None
-        detok = self._detoks.pop(out.rid) if finished else self._detoks[out.rid]
-        new = [] if out.token_id is None else [out.token_id]
-        text = detok.step(new, finished, isinstance(out.matched_stop, int))
-        logprob = None
-        if out.logprob is not None:
-            value, top = out.logprob
-            assert out.token_id is not None
-            logprob = TokenLogprob(
-                self._token_text(out.token_id),
-                value,
-                [(self._token_text(t), lp) for t, lp in top],
-            )
-        return ReqChunk(
-            rid=out.rid,
-            text=text,
-            token_id=out.token_id,
-            finish_reason=out.finish_reason,
-            matched_stop=out.matched_stop,
-            logprob=logprob,
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.completion_tokens,
-            cached_tokens=out.cached_tokens,
-        )
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
+    def _logprobs(self, token: int, logprobs: TokenLogprobs | None) -> list[TextLogprobs]:
+        if logprobs is None:
+            return []
+        top = [
+            (self._token_text(t), lp)
+            for t, lp in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
+        ]
+        return [TextLogprobs(self._token_text(token), logprobs.logprob, top)]
 
     def _token_text(self, token_id: int) -> str:
-        return self._decode([*self._anchor, token_id])[self._anchor_len :]
+        return self.tokenizer.decode([*self._anchor, token_id])[self._anchor_len :]
 
 
-def run_tokenizer(model_path: Path, addresses: Addresses) -> None:
+def run_tokenizer(model_path: Path, addresses: Addresses, chat_template: str | None) -> None:
     """The process entry point; runs until the process is terminated."""
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    worker = TokenizerWorker(load_tokenizer(model_path), chat_template)
     ctx = zmq.Context()
-    inbox = bind_pull(ctx, addresses.tokenizer)
-    worker = TokenizerWorker(
-        tokenizer, connect_push(ctx, addresses.scheduler), connect_push(ctx, addresses.api)
-    )
+    requests = bind_pull(ctx, addresses.tokenizer)
+    outputs = bind_pull(ctx, addresses.detokenizer)
+    threading.Thread(
+        target=_detokenize_loop, args=(worker, ctx, outputs, addresses), daemon=True
+    ).start()
+    to_scheduler, to_api = connect_push(ctx, addresses.scheduler), connect_push(ctx, addresses.api)
     while True:
-        for msg in recv_all(inbox, block=True):
-            worker.handle(msg)
+        for msg in recv_all(requests, timeout_ms=None):
+            if isinstance(msg, TokenizeRequest):
+                result = worker.tokenize(msg)
+                send(to_scheduler if isinstance(result, AddRequests) else to_api, result)
+            else:
+                assert isinstance(msg, AbortRequest)
+                # the detokenizer goes with the scheduler's end of the request, like any other
+                send(to_scheduler, msg)
+
+
+def _detokenize_loop(
+    worker: TokenizerWorker, ctx: zmq.Context, outputs: zmq.Socket, addresses: Addresses
+) -> None:
+    to_scheduler, to_api = connect_push(ctx, addresses.scheduler), connect_push(ctx, addresses.api)
+    while True:
+        for msg in recv_all(outputs, timeout_ms=None):
+            if isinstance(msg, StepOutputs):
+                text, to_stop = worker.detokenize(msg)
+                send(to_api, text)
+                if to_stop:
+                    send(to_scheduler, AbortRequest(to_stop))
+            elif isinstance(msg, Ready):
+                worker.limits = msg
+                send(to_api, msg)
+            else:
+                assert isinstance(msg, Heartbeat)
+                send(to_api, msg)

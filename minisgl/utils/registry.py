@@ -1,3 +1,4 @@
+import importlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -5,24 +6,50 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Name -> factory, so that a new backend is one file and one `register` call."""
+    """Name -> factory, so that a new backend is one file and one `register` call. A factory is
+    named by "module:attribute" and imported only when chosen: listing the names (the CLI's
+    --help) imports no backend, and a backend that needs triton costs nothing until used.
 
-    def __init__(self, kind: str) -> None:
+    "auto" stands for the registry's default on a device type, so each default has one home; an
+    entry may say which device types it runs on."""
+
+    def __init__(self, kind: str, auto: dict[str, str] | None = None) -> None:
         self.kind = kind
-        self._factories: dict[str, Callable[..., T]] = {}
+        self._auto = auto or {}
+        self._targets: dict[str, str] = {}
+        self._runs_on: dict[str, Callable[[str], bool]] = {}
 
-    def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
-        def wrap(factory: Callable[..., T]) -> Callable[..., T]:
-            assert name not in self._factories, f"{self.kind} {name!r} registered twice"
-            self._factories[name] = factory
-            return factory
+    def register(
+        self, name: str, target: str, runs_on: Callable[[str], bool] | None = None
+    ) -> None:
+        if name in self._targets or name == "auto":
+            raise ValueError(f"{self.kind} {name!r} registered twice")
+        self._targets[name] = target
+        if runs_on is not None:
+            self._runs_on[name] = runs_on
 
-        return wrap
+    def choices(self) -> list[str]:
+        """What a user may ask for: "auto" (when it means something) and every name."""
+        return (["auto"] if self._auto else []) + sorted(self._targets)
 
-    def names(self) -> list[str]:
-        return sorted(self._factories)
+    def resolve(self, name: str, device_type: str) -> str:
+        """The entry `name` stands for on `device_type`; raises ValueError if there is none."""
+        if name == "auto" and device_type in self._auto:
+            name = self._auto[device_type]
+        if name not in self._targets:
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; supported: {', '.join(self.choices())}"
+            )
+        runs_on = self._runs_on.get(name)
+        if runs_on is not None and not runs_on(device_type):
+            raise ValueError(f"the {name} {self.kind} does not run on {device_type}")
+        return name
 
     def get(self, name: str) -> Callable[..., T]:
-        if name not in self._factories:
-            raise ValueError(f"unknown {self.kind} {name!r}; supported: {', '.join(self.names())}")
-        return self._factories[name]
+        """The factory registered as `name` (resolve "auto" and check the device first)."""
+        if name not in self._targets:
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; supported: {', '.join(self.choices())}"
+            )
+        module, _, attribute = self._targets[name].partition(":")
+        return getattr(importlib.import_module(module), attribute)

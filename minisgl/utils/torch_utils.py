@@ -54,23 +54,7 @@ def copy_to_device(host: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(host, non_blocking=True)
 
 
-# Host-side index math runs in numpy: on arrays of a few thousand ints, a numpy op costs a
-# fraction of a torch op's dispatch overhead, and it converts long lists of ints faster.
 _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
-
-
-def repeat_each(values: Sequence[int], counts: Sequence[int]) -> np.ndarray:
-    """values[i] repeated counts[i] times, back to back (int64)."""
-    return np.repeat(np.array(values, dtype=np.int64), counts)
-
-
-def ragged_arange(starts: Sequence[int], lens: Sequence[int]) -> np.ndarray:
-    """The ranges [starts[i], starts[i] + lens[i]) back to back (int64), without a Python loop
-    over their elements."""
-    lens_np = np.array(lens, dtype=np.int64)
-    # output index k in range i holds starts[i] + (k - lens before range i)
-    shifts = np.array(starts, dtype=np.int64) - (np.cumsum(lens_np) - lens_np)
-    return np.arange(lens_np.sum()) + np.repeat(shifts, lens_np)
 
 
 def pack_to_device(

@@ -43,18 +43,11 @@ from .pdl import pdl_args, wait_for_previous
 _BLOCK_N = 64  # keys per step, one request or fp32: 16 KiB of bf16 K (or V) at head_dim 128
 _ONE_REQUEST_PROGRAMS_PER_SM = 16
 # 2 to PREFETCH_MAX_BATCH requests: 128 keys per step in 3 stages where they fit (192 KiB of bf16
-# K and V at head_dim 128: one program fills an H200's shared memory; an A100's 163 KiB takes 2
-# stages, within 3 % of 3 on an H200), at most 2 programs per SM, so each reads several blocks
-# through the pipeline. On an H200 (bf16, the offline benchmark's last decode steps, contexts of
-# ~1,570 tokens) 16 requests took 35.3 us against 64.8 with 64 keys per step and ~16 programs per
-# SM, 8 requests 20.9 against 42.6, 4 requests 14.3 against 23.4 (RESULTS.md, fifteenth session)
+# K and V at head_dim 128; 2 stages elsewhere), at most 2 programs per SM, so each reads several
+# blocks: 16 requests took 35.3 us against 64.8 with 64 keys and ~16 programs per SM (H200, bf16)
 _FEW_REQUESTS_PROGRAMS_PER_SM = 2
-# above PREFETCH_MAX_BATCH, in 2-byte dtypes: twice the keys per step, half the programs. On an
-# H200 (bf16, contexts 100-2,048) batch 256 took 287.7 us against 300.2, batch 128 146.5 against
-# 161.4. In fp32, K and V tiles of 128 keys in two stages would need 256 KiB of shared memory.
-# Launched longest first, batches 32-128 ran 1.4-3.7 % faster with 3 programs per SM, but batch
-# 17 took 33.5 us with its 3 splits against 28.2 with 4, and the offline benchmark was no faster
-# (RESULTS.md, tenth session)
+# above PREFETCH_MAX_BATCH, in 2-byte dtypes (fp32 tiles would not fit): twice the keys per step,
+# half the programs: batch 256 took 287.7 us against 300.2 (H200, bf16, contexts 100-2,048)
 _LARGE_BATCH_BLOCK_N = 128
 _LARGE_BATCH_PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 32

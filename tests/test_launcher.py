@@ -1,0 +1,137 @@
+"""The launcher as a new user meets it: a bad setting fails before any child starts, in one line and
+no traceback; a setting only the engine can check fails in one line naming the process; and the
+flags vLLM users reach for exist and reach the server."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from minisgl.server.cli import parse_args
+from minisgl.utils import DEFAULT_MODEL_PATH
+
+from .conftest import TOKENIZER_FILES
+from .test_server import ServerProcess
+
+
+def _launch(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, "-m", "minisgl", "--port", "18999", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def _model_dir(tmp_path: Path, weights: bool = True, tokenizer: bool = True, **config) -> Path:
+    """A copy of the embedded model, without some of its files or with config fields changed."""
+    path = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_PATH, path)
+    if not weights:
+        (path / "model.safetensors").unlink()
+    if not tokenizer:
+        for name in TOKENIZER_FILES:
+            (path / name).unlink(missing_ok=True)
+    data = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**data, **config}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--device", "cuda"], "no CUDA device"),
+        (["--device", "cpu", "--dtype", "float8"], "unknown dtype"),
+        (["--device", "cpu", "--attention-backend", "triton"], "does not run on cpu"),
+        (["--device", "cpu", "--port", "99999"], "--port must be in 1-65535"),
+        (["--device", "cpu", "--port", "0"], "--port must be in 1-65535"),
+        (["--device", "cpu", "--max-kv-tokens", "256"], "set --max-model-len to at most 256"),
+        (["--device", "cpu", "--max-model-len", "4096"], "exceeds the model's 2048 positions"),
+        (["--device", "cpu", "--model", "/nonexistent"], "not a model directory"),
+    ],
+)
+def test_a_bad_setting_fails_before_any_child_starts_in_one_line(flags, message) -> None:
+    if "cuda" in flags and _cuda_available():
+        pytest.skip("this machine has a GPU")
+    run = _launch(*flags)
+    assert run.returncode != 0
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minisgl: error:"), run.stderr
+    assert message in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"weights": False}, "holds no *.safetensors weights"),
+        ({"tokenizer": False}, "has no tokenizer.json"),
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
+    ],
+)
+def test_a_model_directory_that_cannot_be_served_fails_in_one_line(
+    tmp_path: Path, change: dict, message: str
+) -> None:
+    run = _launch("--device", "cpu", "--model", str(_model_dir(tmp_path, **change)))
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode != 0 and len(lines) == 1 and message in lines[0], run.stderr
+
+
+def test_a_setting_only_the_engine_can_check_names_the_process_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """Weights of another shape: the scheduler finds out as it loads them, and says so."""
+    run = _launch("--device", "cpu", "--model", str(_model_dir(tmp_path, hidden_size=32)))
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr, run.stderr
+    assert "minisgl: scheduler-0: tensor '" in run.stderr and "has shape" in run.stderr
+    assert "a process exited during start-up: scheduler-0 (exit code 1)" in run.stderr
+
+
+def _cuda_available() -> bool:
+    code = "import torch; print(torch.cuda.is_available())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True"  # fmt: skip
+
+
+def test_version_and_serve_model_as_in_vllm() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--version"], capture_output=True, text=True
+    )
+    assert run.returncode == 0 and run.stdout.startswith("minisgl ")
+    args = parse_args(["serve", str(DEFAULT_MODEL_PATH), "--seed", "7"])
+    assert args.engine.model_path == DEFAULT_MODEL_PATH and args.scheduler.seed == 7
+    assert parse_args([str(DEFAULT_MODEL_PATH)]).engine.model_path == DEFAULT_MODEL_PATH
+
+
+def test_the_api_key_comes_from_the_environment_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINISGL_API_KEY", "from-env")
+    assert parse_args([]).api_key == "from-env"
+    assert parse_args(["--api-key", "given"]).api_key == "given"
+
+
+def test_vllm_flags_reach_the_server(tmp_path: Path) -> None:
+    """--max-model-len, --gpu-memory-utilization, --seed, --log-level and --chat-template, on a
+    server given its model as an argument."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    server = ServerProcess(
+        tmp_path,
+        str(DEFAULT_MODEL_PATH), "--max-model-len", "300", "--max-kv-tokens", "600",
+        "--gpu-memory-utilization", "0.5", "--seed", "3", "--log-level", "warning",
+        "--chat-template", template,
+    )  # fmt: skip
+    try:
+        card = httpx.get(server.url + "/v1/models").json()["data"][0]
+        assert card["max_model_len"] == 300
+        body = {"messages": [{"role": "user", "content": "Once upon"}], "max_tokens": 2}
+        usage = server.post("/v1/chat/completions", json=body).json()["usage"]
+        # the template writes the content alone: no role markers around it
+        assert usage["prompt_tokens"] == 2
+        assert "INFO:" not in server.log()  # --log-level warning: no access log lines either
+    finally:
+        server.stop()
