@@ -14,42 +14,27 @@ from transformers import PreTrainedTokenizerBase
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
-from minisgl.messages import TokenizeRequest
 from minisgl.server.args import ServerArgs
-from minisgl.tokenizer.worker import prompt_ids
+from minisgl.tokenizer.loader import prompt_ids
 
-# the LLM keywords, by the config that holds each for the server
-ENGINE_FIELDS = (
-    "device",
-    "dtype",
-    "page_size",
-    "max_running_requests",
-    "max_kv_tokens",
-    "attention_backend",
-    "cuda_graph_max_bs",
-    "dummy_weights",
-)
-SCHEDULER_FIELDS = ("chunk_size", "cache", "overlap")
+# engine settings the offline LLM sets itself: its one rank and the model it is given
+_NOT_SETTINGS = ("model_path", "tp_rank", "tp_size", "dist_init_method")
 
 
 def engine_overrides(server: ServerArgs) -> dict[str, Any]:
-    """The LLM keywords that give an offline engine the server's settings, defaults included:
-    the offline API's own defaults differ (its chunk size on a large GPU)."""
+    """The LLM settings that give an offline engine the server's, defaults included: the
+    offline API's own defaults differ (its chunk size on a large GPU)."""
     if server.engine.tp_size != 1:
         raise ValueError("--offline runs one engine: launch the server without --tp")
-    return {
-        **{name: getattr(server.engine, name) for name in ENGINE_FIELDS},
-        **{name: getattr(server.scheduler, name) for name in SCHEDULER_FIELDS},
-    }
+    engine = {k: v for k, v in vars(server.engine).items() if k not in _NOT_SETTINGS}
+    return {**engine, **vars(server.scheduler)}
 
 
 def server_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
     """The prompt's ids as the server's tokenizer process makes them (chat template included)."""
     if prompt and isinstance(prompt[0], dict):
-        request = TokenizeRequest(0, SamplingParams(), messages=prompt)
-    else:
-        request = TokenizeRequest(0, SamplingParams(), prompt=prompt)
-    return prompt_ids(tokenizer, request)
+        return prompt_ids(tokenizer, None, prompt, None)  # type: ignore[arg-type]
+    return prompt_ids(tokenizer, prompt)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

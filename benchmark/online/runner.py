@@ -30,7 +30,8 @@ from workload import (
 
 from minisgl.server.args import ServerArgs
 from minisgl.server.cli import parse_args as parse_server_args
-from minisgl.utils import cached_load_hf_config, resolve_model_path
+from minisgl.utils import resolve_model_path
+from minisgl.utils.hf import cached_load_hf_config
 
 WARMUP_TOKENS = 16
 
