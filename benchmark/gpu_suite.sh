@@ -4,7 +4,7 @@
 #
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
 #   PART: kernels sweep-attention gemv host latency bench bench-hf profile latency-profile cprofile
-#         ablations pdl tests tests-engine
+#         ablations pdl tests tests-engine serving serving-8b
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
 set -uo pipefail
@@ -17,7 +17,7 @@ if [ "${1:-}" = hash ]; then  # here, to match a summary.log's `code` line with 
 fi
 OUT=${OUT:-/tmp/minisgl-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/.site:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/.site:${PYTHONPATH:-}" PATH="$PWD/.site/bin:$PATH"
 if [ -d .whl ] && [ ! -d .site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target .site .whl/*.whl
 fi
@@ -40,6 +40,23 @@ step() {  # step NAME TIMEOUT CMD...: run, keep the log, put the table's tail in
 without_pdl() {  # programmatic dependent launch off, against the bench and latency parts
   step no_pdl 240 env MINISGL_PDL=0 python3 benchmark/offline/bench.py --skip-hf
   step latency_no_pdl 240 env MINISGL_PDL=0 python3 benchmark/offline/latency.py
+}
+
+serving() {  # serving NAME MODEL [SERVER ARGS...]: bench_serving.py at each of $RATES (default: max
+  # concurrency), then the same requests offline; every server process sampled by py-spy for its
+  # whole life
+  local name=$1 model=$2
+  shift 2
+  for proc in scheduler-0 tokenizer api-server; do
+    (until pid=$(pgrep -x "$proc"); do sleep 0.5; done
+     py-spy record --nonblocking --format raw -r 100 -o "$OUT/pyspy-$name-$proc.txt" -p "$pid" \
+       >/dev/null 2>&1) &
+  done
+  step "$name" 420 python3 benchmark/online/bench_serving.py --launch --offline --no-progress \
+    --model "$model" --request-rate ${RATES:-inf} --result-json "$OUT/$name.json" \
+    --plot "$OUT/$name.png" \
+    --server-log "$OUT/$name-server.log" -- --dummy-weights "$@"
+  wait
 }
 
 for part in "$@"; do
@@ -67,6 +84,8 @@ for part in "$@"; do
     tests-engine)  # everything but the server processes
       MINISGL_TEST_DEVICE=cuda step tests_engine 330 python3 -m pytest -q -x -p no:cacheprovider tests \
         --ignore-glob='tests/test_server*' --ignore=tests/test_shell.py ;;
+    serving) serving serving tests/assets/qwen3-tokenizer ;;
+    serving-8b) serving serving_8b benchmark/presets/llama-3.1-8b ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -41,6 +41,8 @@ class LLM:
         self.scheduler = Scheduler(
             SchedulerConfig(**scheduler_settings), self.engine, load_eos_token_ids(path)
         )
+        if self.engine.device.type == "cuda":  # where kernels compile
+            self.scheduler.warm_up()
         self._rids = itertools.count()
 
     def _tokenize(self, prompts: str | Sequence[Prompt]) -> list[list[int]]:

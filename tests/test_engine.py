@@ -423,3 +423,23 @@ def test_a_stop_string_ends_the_request_where_it_matched(stop: str, text: str, t
     assert (out["text"], out["finish_reason"], len(out["token_ids"])) == (text, "stop", tokens)
     assert not llm.scheduler.has_work
     llm.scheduler.check_integrity()
+
+
+def test_the_warm_up_prefills_leave_requests_and_pages_untouched(model_path) -> None:
+    """Scheduler.warm_up (run on a GPU at start-up) computes in the padding slot only: a request
+    running across it gets the tokens it gets without it, and no page changes hands."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompt = list(range(40))
+    want = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1024, **PLAIN)
+    expected = want.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1024, **PLAIN)
+    scheduler = llm.scheduler
+    scheduler.add_requests([(0, prompt, params)])
+    tokens = [t for _ in range(3) for _, t in step_tokens(scheduler)]
+    free_before = scheduler.kv.allocator.num_free
+    scheduler.warm_up()
+    assert scheduler.kv.allocator.num_free == free_before
+    while scheduler.has_work:
+        tokens += [t for _, t in step_tokens(scheduler)]
+    assert tokens == expected
+    scheduler.check_integrity()

@@ -90,9 +90,6 @@ class Engine:
             _forward_step, self.model, self.attn_backend, self.page_table, self.token_table,
             self.host_token_table, sample_counters,
         )  # fmt: skip
-        if self.device.type == "cuda":
-            self._warm_up_lm_head(config.max_running_requests)
-        self.graph_runner = self._capture_graphs()
         self.layout = EngineLayout(
             num_pages=self.pool.num_pages,
             page_size=config.page_size,
@@ -102,7 +99,25 @@ class Engine:
             max_seq_len=self.max_seq_len,
             vocab_size=self.model_config.vocab_size,
         )
+        if self.device.type == "cuda":
+            self._warm_up_lm_head(config.max_running_requests)
+        self.graph_runner = self._capture_graphs()
         self.build_seconds = time.monotonic() - start
+
+    def summary(self) -> list[str]:
+        """What was built, for the operator: a line each."""
+        mc, c, layout = self.model_config, self.config, self.layout
+        graphs = self.graph_runner.sizes if self.graph_runner is not None else "off"
+        return [
+            f"model {c.model_path} ({mc.architecture}{', dummy weights' if c.dummy_weights else ''}"
+            f"), {str(self.dtype).removeprefix('torch.')} on {self.device}, TP {c.tp_size}",
+            f"weights {self.weight_bytes / 2**30:.2f} GiB; KV cache "
+            f"{layout.num_pages * layout.page_size:,} tokens in {layout.num_pages:,} pages of "
+            f"{layout.page_size}",
+            f"max model length {layout.max_seq_len:,}; up to {c.max_running_requests} running "
+            f"requests; attention {self.attn_backend_name}; CUDA graphs for batches {graphs}",
+            f"built in {self.build_seconds:.1f} s",
+        ]
 
     # ------------------------------------------------------------------ building
     def _build_pool(self, free_before: int) -> KVPool:

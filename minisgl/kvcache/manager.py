@@ -137,15 +137,23 @@ class KVCacheManager:
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
         """Raise IntegrityError unless every page is exactly one of: free, cached, or held
-        privately by one slot, and the prefix cache's locks are exactly the slots' handles."""
-        free = self.allocator.free_pages()
-        cached = self.prefix_cache.cached_pages()
-        cached_set = set(cached)
-        private = [p for pages in self._pages.values() for p in pages if p not in cached_set]
-        require(len(free) == len(set(free)), "a page is free twice")
-        require(not set(free) & cached_set, "a page is both free and cached")
-        require(not set(free) & set(private), "a page is both free and in use")
-        require(len(private) == len(set(private)), "a page is held by two slots")
+        privately by one slot, and the prefix cache's locks are exactly the slots' handles.
+        Counted in numpy: a pool of a million pages is checked in milliseconds, between steps."""
+        free = np.array(self.allocator.free_pages(), dtype=np.int64)
+        cached = np.array(self.prefix_cache.cached_pages(), dtype=np.int64)
+        held = np.fromiter(itertools.chain.from_iterable(self._pages.values()), np.int64)
+        is_cached = np.zeros(self.num_pages, dtype=bool)
+        is_cached[cached] = True
+        private = held[~is_cached[held]]
+
+        def counts(pages: np.ndarray) -> np.ndarray:
+            return np.bincount(pages, minlength=self.num_pages)
+
+        free_n, cached_n, private_n = counts(free), counts(cached), counts(private)
+        require(free_n.max(initial=0) <= 1, "a page is free twice")
+        require(not (free_n & cached_n).any(), "a page is both free and cached")
+        require(not (free_n & private_n).any(), "a page is both free and in use")
+        require(private_n.max(initial=0) <= 1, "a page is held by two slots")
         require(
             len(free) + len(cached) + len(private) == self.num_pages,
             f"free {len(free)} + cached {len(cached)} + in use {len(private)} != {self.num_pages}",

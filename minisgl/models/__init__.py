@@ -1,6 +1,8 @@
+import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from minisgl.distributed import get_tp_info
 from minisgl.layers import set_rope_device
@@ -28,7 +30,10 @@ def load_model(
     if dummy_weights:
         state = {name: _random_tensor(shape, device, dtype) for name, shape in expected.items()}
     else:
-        state = dict(load_weights(model_path, config, expected, get_tp_info(), device, dtype))
+        weights = load_weights(model_path, config, expected, get_tp_info(), device, dtype)
+        if sys.stderr.isatty():  # a bar in a terminal only (a tqdm bar leaks a semaphore, too)
+            weights = tqdm(weights, total=len(expected), desc="loading weights", unit="tensor")
+        state = dict(weights)
     model.load_state_dict(state)
     return model
 

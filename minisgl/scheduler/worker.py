@@ -116,6 +116,11 @@ def run_scheduler(
     """The process entry point; runs until the process is terminated."""
     engine = Engine(engine_config)
     scheduler = Scheduler(scheduler_config, engine, load_eos_token_ids(engine_config.model_path))
+    if engine.device.type == "cuda":  # where kernels compile
+        scheduler.warm_up()
+    if engine_config.tp_rank == 0:
+        for line in engine.summary():
+            logger.info(line)
     worker = SchedulerWorker(scheduler, engine_config.tp_rank)
     if engine_config.tp_size > 1:
         dist.barrier()  # rank 0 reports ready only once every rank is

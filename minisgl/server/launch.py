@@ -167,13 +167,19 @@ def launch(args: ServerArgs) -> int:
     procs: list[BaseProcess] = []
     url = _base_url(args)
     stopping = False
+    start = time.monotonic()
     try:
         _start(args, Addresses.new(args.engine.tp_size), procs)
         _wait_ready(url, procs)
         if args.shell:
             run_shell(url, args.served_model_name, args.api_key)
             return 0
-        print(f"minisgl: serving {args.served_model_name} at {url}/v1", file=sys.stderr, flush=True)
+        ready = time.monotonic() - start
+        print(
+            f"minisgl: serving {args.served_model_name} at {url}/v1 (ready in {ready:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         multiprocessing.connection.wait([p.sentinel for p in procs])
         print(f"minisgl: a process exited: {', '.join(_dead(procs))}", file=sys.stderr)
         return 1
