@@ -4,9 +4,12 @@ the Hugging Face reference computations the engine is checked against.
 MINISGL_TEST_DEVICE=cuda runs the suite on a GPU (default: cpu).
 """
 
+import functools
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +170,12 @@ def step_tokens(scheduler) -> list[tuple[int, int]]:
     """One scheduler step's (rid, token) pairs."""
     out = scheduler.step()
     return list(zip(out.rids, out.token_ids, strict=True))
+
+
+@functools.cache
+def tokenizer_library_imports_torch() -> bool:
+    """Whether this transformers' PreTrainedTokenizerFast imports torch by itself (5.17 does, 5.24
+    does not): then the tokenizer process holds torch through no import of ours."""
+    code = "import sys\nfrom transformers import PreTrainedTokenizerFast\nprint('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return run.stdout.strip() == "True"

@@ -70,7 +70,10 @@ def test_programmatic_dependent_launch_changes_no_token(checkpoint, monkeypatch)
 
 
 def test_dummy_weights_in_the_qwen3_06b_shape_generate() -> None:
-    llm = LLM(str(QWEN3_TOKENIZER), dummy_weights=True, max_running_requests=8, max_kv_tokens=4096)
+    llm = LLM(
+        str(QWEN3_TOKENIZER), dummy_weights=True, max_running_requests=8, max_kv_tokens=4096,
+        max_model_len=4096,
+    )  # fmt: skip
     assert llm.engine.dtype == torch.bfloat16 and llm.engine.graph_runner is not None
     mc = llm.engine.model_config
     assert (mc.num_layers, mc.hidden_size, mc.num_qo_heads, mc.num_kv_heads, mc.head_dim) == (
