@@ -130,7 +130,7 @@ class _Run:
             self.result["logprobs"] = []
 
     def add(self, token: int, logprobs: Any, finish: Finished | None, now: float) -> bool:
-        """Add a sampled token; True when it completed a stop string."""
+        """Add a sampled token; True when a stop string ended the text: the request must stop."""
         if self.detok.stopped:
             return False
         self.result["token_ids"].append(token)
@@ -147,16 +147,10 @@ class _Run:
                     ],
                 }
             )
-        if self.incremental:
-            stop_token = finish is not None and isinstance(finish.matched_stop, int)
-            self.detok.step([token], finish is not None, stop_token)
-            return self.detok.stopped and finish is None
-        return False
+        return self.incremental and self.detok.step([token], finish)[1]
 
     def finish(self, finish: Finished, now: float) -> None:
-        stop_token = isinstance(finish.matched_stop, int)
-        ids = [] if self.incremental else self.result["token_ids"]
-        self.detok.step(ids, finished=True, stop_token=stop_token and not self.incremental)
+        self.detok.step([] if self.incremental else self.result["token_ids"], finish)
         end = self.detok.end(finish)
         self.result["metrics"]["finished_time"] = now
         self.result.update(

@@ -69,7 +69,8 @@ class AddRequests:
 @_wire
 @dataclass
 class Ready:
-    """Sent once by scheduler rank 0 when every rank is ready; forwarded to the API server."""
+    """Sent once by scheduler rank 0 when every rank is ready, to both tokenizer threads; the
+    detokenize thread forwards it to the API server."""
 
     max_seq_len: int  # prompt + output tokens of one request, at most
     vocab_size: int
@@ -160,7 +161,7 @@ class TextOutputs:
     rids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
-    logprobs: list[list[TextLogprobs]] | None = None  # a list per rid, when some asked
+    logprobs: list[TextLogprobs | None] | None = None  # a row per rid, when some asked
     finished: list[Finished] = field(default_factory=list)
     errors: list[ReqError] = field(default_factory=list)
     load: SchedulerLoad | None = None

@@ -4,6 +4,7 @@ may still become a stop string) and always concatenate to the finished text."""
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from minisgl.messages import Finished
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.utils import DEFAULT_MODEL_PATH
 
@@ -22,8 +23,15 @@ def _stream(
     prompt: str = "Say:",
 ) -> tuple[list[str], IncrementalDetokenizer]:
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), stop)
-    pieces = [detok.step([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
+    last = len(ids) - 1
+    pieces = [detok.step([t], _finished() if i == last else None)[0] for i, t in enumerate(ids)]
     return pieces, detok
+
+
+def _finished(stop_token: int | None = None) -> Finished:
+    """How a request ended: at max_tokens, or at a stop token."""
+    reason = "length" if stop_token is None else "stop"
+    return Finished(0, reason, stop_token, prompt_tokens=1, completion_tokens=1, cached_tokens=0)
 
 
 @pytest.mark.parametrize("text", ["𠀋𠀌 and 🫠🫨 ok", "a 𝔘𝔫𝔦 b", "Ǆ ᾯ ꙮ"])
@@ -36,16 +44,20 @@ def test_characters_split_across_tokens_are_never_emitted_half(
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == detok.text == text
     at_once = IncrementalDetokenizer(qwen3, qwen3.encode("Say:"))
-    assert at_once.step(ids, finished=True) == text
+    assert at_once.step(ids, _finished()) == (text, False)
 
 
 def test_a_stop_string_across_tokens_is_held_back_then_cut(
     qwen3: PreTrainedTokenizerBase,
 ) -> None:
-    ids = qwen3.encode("one two three four")  # "one", " two", " three", " four"
-    pieces, detok = _stream(qwen3, ids, stop=("o thr",))
-    assert pieces[:2] == ["one", " tw"]  # the "o" of " two" might begin the stop string
+    ids = qwen3.encode("one two three four five")  # "one", " two", " three", " four", " five"
+    pieces, detok = _stream(qwen3, ids, stop=("o thr", "xx"))
+    # the last 4 characters (a stop string's length but one) wait until they cannot begin one
+    assert pieces[:3] == ["", "one", " tw"]
     assert "".join(pieces) == detok.text == "one tw"
+    assert detok.num_tokens == 3 and detok.matched_stop == "o thr"
+    no_match, detok = _stream(qwen3, ids, stop=("o thx",))
+    assert "".join(no_match) == detok.text == "one two three four five"
 
 
 def test_sentencepiece_word_starts_keep_their_space() -> None:
@@ -57,8 +69,9 @@ def test_sentencepiece_word_starts_keep_their_space() -> None:
 
 def test_a_finishing_stop_token_adds_no_text(qwen3: PreTrainedTokenizerBase) -> None:
     detok = IncrementalDetokenizer(qwen3, qwen3.encode("Hi"))
-    first = detok.step(qwen3.encode(" there"))
-    last = detok.step([qwen3.convert_tokens_to_ids("<|im_end|>")], finished=True, stop_token=True)
+    first, _ = detok.step(qwen3.encode(" there"))
+    end = qwen3.convert_tokens_to_ids("<|im_end|>")
+    last, _ = detok.step([end], _finished(stop_token=end))
     assert (first, last, detok.text) == (" there", "", " there")
 
 
@@ -83,10 +96,13 @@ def test_a_stop_string_across_a_multi_byte_character_is_matched_when_it_complete
     assert detok.num_tokens == len(whole)  # up to the token that completed the character
 
 
-def test_of_stop_strings_the_first_to_complete_wins_and_its_tail_is_held(
+def test_of_stop_strings_the_one_that_begins_first_wins_and_ends_the_request(
     qwen3: PreTrainedTokenizerBase,
 ) -> None:
     ids = qwen3.encode("one two three four")
-    pieces, detok = _stream(qwen3, ids, stop=("three four", "two t", "xyz"))
+    detok = IncrementalDetokenizer(qwen3, qwen3.encode("Say:"), ("three four", "two t", "xyz"))
+    steps = [detok.step([t]) for t in ids]
     assert detok.text == "one " and detok.matched_stop == "two t"
-    assert "".join(pieces) == "one "
+    # the token that completed it asks for the request to stop, once; later ones add nothing
+    assert [stop for _, stop in steps] == [False, False, True, False]
+    assert "".join(piece for piece, _ in steps) == "one "

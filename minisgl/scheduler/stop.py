@@ -4,7 +4,7 @@ from minisgl.core import FinishReason, Req
 class StopChecker:
     """Decides when the tokens a request got finish it: an eos or stop token, max_tokens, the end
     of the context. Stop strings are matched on the text, where it is decoded (the detokenizer's
-    `StopMatcher`), which then aborts the request here."""
+    `IncrementalDetokenizer`), which then aborts the request here."""
 
     def __init__(self, eos_ids: tuple[int, ...], max_seq_len: int) -> None:
         self.eos_ids = frozenset(eos_ids)

@@ -136,7 +136,9 @@ def _serve_primary(worker: SchedulerWorker, addresses: Addresses) -> None:
     followers = [connect_push(ctx, address) for address in addresses.followers]
     outbox = connect_push(ctx, addresses.detokenizer)
     layout = worker.scheduler.layout
-    send(outbox, Ready(layout.max_seq_len, layout.vocab_size))
+    ready = Ready(layout.max_seq_len, layout.vocab_size)
+    send(connect_push(ctx, addresses.tokenizer), ready)
+    send(outbox, ready)
     threading.Thread(target=_heartbeat, args=(ctx, addresses.detokenizer), daemon=True).start()
     while True:
         messages = recv_all(inbox, timeout_ms=0 if worker.scheduler.has_work else None)

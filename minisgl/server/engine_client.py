@@ -38,7 +38,7 @@ class Delta:
 
     text: str
     num_tokens: int
-    logprobs: list[TextLogprobs] | None
+    logprobs: TextLogprobs | None
 
 
 @dataclass

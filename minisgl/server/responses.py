@@ -17,11 +17,11 @@ class Choice:
     num_tokens: int = 0
     end: Finished | None = None
 
-    def add(self, text: str, num_tokens: int, logprobs: list[TextLogprobs] | None) -> None:
+    def add(self, text: str, num_tokens: int, logprobs: TextLogprobs | None) -> None:
         self.text += text
         self.num_tokens += num_tokens
-        if logprobs:
-            self.logprobs += logprobs
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
 
     @property
     def finish_reason(self) -> str | None:

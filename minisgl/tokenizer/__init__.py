@@ -1,2 +1,2 @@
-"""Tokenization and incremental detokenization (`detokenizer`, `stop_matcher`), and the tokenizer
+"""Tokenization and incremental detokenization with stop strings (`detokenizer`), and the tokenizer
 process (`worker`)."""

@@ -13,8 +13,6 @@ from transformers import PreTrainedTokenizerBase
 
 from minisgl.messages import Finished
 
-from .stop_matcher import StopMatcher
-
 # prompt tokens decoded with the first output tokens, so a leading space is rendered as in context
 _CONTEXT_TOKENS = 5
 
@@ -26,8 +24,10 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         stop: tuple[str, ...] = (),
     ) -> None:
-        self.tokenizer = tokenizer
-        self._stops = StopMatcher(stop) if stop else None
+        self._tokenizer = tokenizer
+        self._stops = stop
+        # the longest tail that may still become a stop string: held back until it cannot
+        self._hold = max(map(len, stop), default=1) - 1
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])  # only the ids still to be decoded again
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -37,7 +37,7 @@ class IncrementalDetokenizer:
         self.matched_stop: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def _read(self, final: bool) -> None:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
@@ -48,38 +48,44 @@ class IncrementalDetokenizer:
             del self._ids[: self._read_offset]
             self._prefix_offset, self._read_offset = 0, len(self._ids)
 
-    def step(
-        self, token_ids: Sequence[int], finished: bool = False, stop_token: bool = False
-    ) -> str:
+    def step(self, token_ids: Sequence[int], finish: Finished | None = None) -> tuple[str, bool]:
         """Add sampled tokens (one per step when streaming or matching stop strings; all at once
-        otherwise); returns the text that became final. With stop_token, the last token is the
-        eos or stop id that finished the request: it contributes no text. Once a stop string has
-        ended the text, later tokens add nothing."""
+        otherwise), `finish` saying how the request ended if it did with the last of them (a stop
+        id or eos that ended it contributes no text). Returns the text that became final, and
+        whether a stop string ended the text while the request runs on: it must be stopped. Once
+        a stop string has ended the text, later tokens add nothing."""
         if self.matched_stop is not None:
-            return ""
+            return "", False
         self.num_tokens += len(token_ids)
+        finished = finish is not None
+        stop_token = finished and isinstance(finish.matched_stop, int)
         new = token_ids[:-1] if stop_token else token_ids
         scanned = len(self.text)
-        if new:
+        if new or finished:
             self._ids.extend(new)
             self._read(final=finished)
-        elif finished:
-            self._read(final=True)
-        if self._stops is not None:
-            found = self._stops.feed(self.text, scanned)
-            if found is not None:
-                cut, self.matched_stop = found
-                self.text, finished = self.text[:cut], True
-        end = len(self.text)
-        if not finished and self._stops is not None:
-            end -= self._stops.held
-        piece = self.text[self._released : end]
-        self._released = max(self._released, end)
-        return piece
+        found = self._find_stop(max(0, scanned - self._hold))
+        if found is not None:
+            cut, self.matched_stop = found
+            self.text = self.text[:cut]
+        end = (
+            len(self.text)
+            if finished or found
+            else max(self._released, len(self.text) - self._hold)
+        )
+        piece, self._released = self.text[self._released : end], end
+        return piece, found is not None and not finished
+
+    def _find_stop(self, start: int) -> tuple[int, str] | None:
+        """The stop string that begins first in self.text[start:] (where one may end in text the
+        last call did not see), and where: a search of the new text per stop string, however long
+        the text has grown."""
+        hits = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
+        return min(hits, default=None)
 
     @property
     def stopped(self) -> bool:
-        """A stop string ended the text: the request must be stopped."""
+        """A stop string ended the text."""
         return self.matched_stop is not None
 
     def end(self, finish: Finished) -> Finished:

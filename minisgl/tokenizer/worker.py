@@ -1,17 +1,18 @@
 """The tokenizer process: text to token ids on the way in, token ids to text on the way out.
 
-Two threads, so that a long prompt being tokenized never holds back the text of running requests
-(the tokenizers library releases the GIL while it encodes):
+Two threads, each with its own tokenizer and its own sockets, so that a long prompt being
+tokenized never holds back the text of running requests (the tokenizers library releases the GIL
+while it encodes):
 
     API server ─▶ [tokenize thread]   ─AddRequests, AbortRequest─▶ scheduler
+                        │ each new request's detokenizer, before the scheduler has it
     API server ◀─ [detokenize thread] ◀─StepOutputs, Ready, Heartbeat── scheduler
-                      └─ AbortRequest (a stop string matched) ─▶ scheduler
+                        └─ AbortRequest (a stop string matched) ─▶ scheduler
 
-The tokenize thread creates each request's IncrementalDetokenizer before the request reaches the
-scheduler; the detokenize thread owns it from then on. Prompts that cannot be served are answered
-with an error here, before they reach the scheduler's queue.
+Prompts that cannot be served are answered with an error here, before they reach the scheduler.
 """
 
+import queue
 import threading
 from pathlib import Path
 
@@ -39,23 +40,23 @@ from minisgl.messages import (
 from .detokenizer import IncrementalDetokenizer
 from .loader import Tokenizer, load_tokenizer, prompt_ids
 
+# (rid, prompt ids, stop strings): a request the detokenize thread is to expect
+NewRequest = tuple[int, list[int], tuple[str, ...]]
 
-class TokenizerWorker:
-    """The state both threads share: the tokenizer, the scheduler's limits, the detokenizers."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
+class Tokenize:
+    """The tokenize thread's work: a request's prompts as ids for the scheduler."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, chat_template: str | None, new: queue.SimpleQueue[NewRequest]
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.limits: Ready | None = None
-        self.detoks: dict[int, IncrementalDetokenizer] = {}
-        # token texts are decoded after an anchor token: SentencePiece drops a word's leading
-        # space at the start of a text, but the token's text includes it
-        self._anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
-        self._anchor_len = len(tokenizer.decode(self._anchor))
+        self.limits: Ready | None = None  # the scheduler's, sent to this thread too
+        self._new = new
 
-    # ------------------------------------------------------------------ the way in
-    def tokenize(self, request: TokenizeRequest) -> AddRequests | TextOutputs:
-        """The request's prompts as ids for the scheduler, or an error for each of its rids."""
+    def __call__(self, request: TokenizeRequest) -> AddRequests | TextOutputs:
+        """The request's prompts as ids, or an error for each of its rids."""
         assert self.limits is not None, "the API server admits requests only once ready"
         choices = len(request.params)
         try:
@@ -65,17 +66,33 @@ class TokenizerWorker:
             ]
             for ids in prompts:  # rejected here, before queuing, by the scheduler's own rule
                 check_prompt(ids, self.limits.max_seq_len, self.limits.vocab_size)
-        except ValueError as e:
+        except Exception as e:  # a template or a prompt that fails in any way fails this request
             return TextOutputs(errors=[ReqError(rid, str(e)) for rid in request.rids])
         rids = [request.rids[i * choices : (i + 1) * choices] for i in range(len(prompts))]
         for ids, prompt_rids in zip(prompts, rids, strict=True):
             for rid, params in zip(prompt_rids, request.params, strict=True):
-                self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+                self._new.put((rid, ids, params.stop))
         return AddRequests(prompts, rids, [request.params] * len(prompts))
 
-    # ------------------------------------------------------------------ the way out
-    def detokenize(self, out: StepOutputs) -> tuple[TextOutputs, list[int]]:
+
+class Detokenize:
+    """The detokenize thread's work: each step's token ids as text. It alone holds the requests'
+    detokenizers, from the tokenize thread's word that a request comes to its end."""
+
+    def __init__(self, tokenizer: Tokenizer, new: queue.SimpleQueue[NewRequest]) -> None:
+        self.tokenizer = tokenizer
+        self.detoks: dict[int, IncrementalDetokenizer] = {}
+        self._new = new
+        # token texts are decoded after an anchor token: SentencePiece drops a word's leading
+        # space at the start of a text, but the token's text includes it
+        self._anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
+        self._anchor_len = len(tokenizer.decode(self._anchor))
+
+    def __call__(self, out: StepOutputs) -> tuple[TextOutputs, list[int]]:
         """The step's text, and the requests a stop string ended (to stop in the scheduler)."""
+        while not self._new.empty():
+            rid, ids, stop = self._new.get_nowait()
+            self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, stop)
         ended = {f.rid: f for f in out.finished}
         text = TextOutputs(errors=out.errors, load=out.load)
         if out.logprobs is not None:
@@ -85,15 +102,14 @@ class TokenizerWorker:
             detok = self.detoks.get(rid)
             if detok is None or detok.stopped:  # past its stop string, or already ended
                 continue
-            finish = ended.get(rid)
-            stop_token = finish is not None and isinstance(finish.matched_stop, int)
+            piece, stop = detok.step([token], ended.get(rid))
             text.rids.append(rid)
-            text.texts.append(detok.step([token], finish is not None, stop_token))
+            text.texts.append(piece)
             text.num_tokens.append(1)
             if text.logprobs is not None:
                 assert out.logprobs is not None
                 text.logprobs.append(self._logprobs(token, out.logprobs[i]))
-            if detok.stopped and finish is None:
+            if stop:
                 to_stop.append(rid)
         stepped = set(out.rids)
         for finish in out.finished:
@@ -101,26 +117,25 @@ class TokenizerWorker:
             if detok is None:
                 continue
             if finish.rid not in stepped:  # ended without a token this step (aborted)
-                piece = detok.step([], finished=True)
+                piece, _ = detok.step([], finish)
                 if piece:
                     text.rids.append(finish.rid)
                     text.texts.append(piece)
                     text.num_tokens.append(0)
                     if text.logprobs is not None:
-                        text.logprobs.append([])
+                        text.logprobs.append(None)
             text.finished.append(detok.end(finish))
         for error in out.errors:
             self.detoks.pop(error.rid, None)
         return text, to_stop
 
-    def _logprobs(self, token: int, logprobs: TokenLogprobs | None) -> list[TextLogprobs]:
+    def _logprobs(self, token: int, logprobs: TokenLogprobs | None) -> TextLogprobs | None:
         if logprobs is None:
-            return []
-        top = [
-            (self._token_text(t), lp)
-            for t, lp in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
-        ]
-        return [TextLogprobs(self._token_text(token), logprobs.logprob, top)]
+            return None
+        top = zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
+        return TextLogprobs(
+            self._token_text(token), logprobs.logprob, [(self._token_text(t), lp) for t, lp in top]
+        )
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([*self._anchor, token_id])[self._anchor_len :]
@@ -128,19 +143,23 @@ class TokenizerWorker:
 
 def run_tokenizer(model_path: Path, addresses: Addresses, chat_template: str | None) -> None:
     """The process entry point; runs until the process is terminated."""
-    worker = TokenizerWorker(load_tokenizer(model_path), chat_template)
+    new: queue.SimpleQueue[NewRequest] = queue.SimpleQueue()
     ctx = zmq.Context()
-    requests = bind_pull(ctx, addresses.tokenizer)
+    detokenize = Detokenize(load_tokenizer(model_path), new)
     outputs = bind_pull(ctx, addresses.detokenizer)
     threading.Thread(
-        target=_detokenize_loop, args=(worker, ctx, outputs, addresses), daemon=True
+        target=_detokenize_loop, args=(detokenize, ctx, outputs, addresses), daemon=True
     ).start()
+    tokenize = Tokenize(load_tokenizer(model_path), chat_template, new)
+    requests = bind_pull(ctx, addresses.tokenizer)
     to_scheduler, to_api = connect_push(ctx, addresses.scheduler), connect_push(ctx, addresses.api)
     while True:
         for msg in recv_all(requests, timeout_ms=None):
             if isinstance(msg, TokenizeRequest):
-                result = worker.tokenize(msg)
+                result = tokenize(msg)
                 send(to_scheduler if isinstance(result, AddRequests) else to_api, result)
+            elif isinstance(msg, Ready):
+                tokenize.limits = msg
             else:
                 assert isinstance(msg, AbortRequest)
                 # the detokenizer goes with the scheduler's end of the request, like any other
@@ -148,19 +167,16 @@ def run_tokenizer(model_path: Path, addresses: Addresses, chat_template: str | N
 
 
 def _detokenize_loop(
-    worker: TokenizerWorker, ctx: zmq.Context, outputs: zmq.Socket, addresses: Addresses
+    detokenize: Detokenize, ctx: zmq.Context, outputs: zmq.Socket, addresses: Addresses
 ) -> None:
     to_scheduler, to_api = connect_push(ctx, addresses.scheduler), connect_push(ctx, addresses.api)
     while True:
         for msg in recv_all(outputs, timeout_ms=None):
             if isinstance(msg, StepOutputs):
-                text, to_stop = worker.detokenize(msg)
+                text, to_stop = detokenize(msg)
                 send(to_api, text)
                 if to_stop:
                     send(to_scheduler, AbortRequest(to_stop))
-            elif isinstance(msg, Ready):
-                worker.limits = msg
-                send(to_api, msg)
             else:
-                assert isinstance(msg, Heartbeat)
+                assert isinstance(msg, Ready | Heartbeat)
                 send(to_api, msg)
