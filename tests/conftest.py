@@ -1,7 +1,8 @@
 """Shared fixtures: small random-weight Hugging Face checkpoints written with save_pretrained, and
 the Hugging Face reference computations the engine is checked against.
 
-MINISGL_TEST_DEVICE=cuda runs the suite on a GPU (default: cpu).
+MINISGL_TEST_DEVICE=cuda runs the suite on a GPU (default: cpu); --long runs tests/stress at its
+long size.
 """
 
 import functools
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,23 @@ if DEVICE == "cpu":
 ASSETS = Path(__file__).parent / "assets"
 QWEN3_TOKENIZER = ASSETS / "qwen3-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="run the stress scenarios (tests/stress) at their long size: more clients, "
+        "requests and fuzzed bodies",
+    )
+
+
+@pytest.fixture(scope="session")
+def size(request: pytest.FixtureRequest) -> Callable[[int, int], int]:
+    """size(ci, long): a stress scenario's number at the CI size, or with --long the long one."""
+    long = request.config.getoption("--long")
+    return lambda ci, long_size: long_size if long else ci
+
 
 # small shapes: GQA everywhere, head_dim != hidden / heads for Qwen3
 _BASE = dict(

@@ -16,7 +16,7 @@ from minisgl.server.cli import parse_args
 from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import TOKENIZER_FILES
-from .test_server import ServerProcess
+from .server_process import ServerProcess
 
 
 def _launch(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

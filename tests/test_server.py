@@ -2,14 +2,11 @@
 (the official `openai` package and httpx), on the embedded stories260K model."""
 
 import asyncio
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
@@ -19,125 +16,11 @@ import pytest
 from minisgl import LLM, SamplingParams
 
 from .conftest import DEVICE, tokenizer_library_imports_torch
+from .server_process import ServerProcess, wait_for
 
 API_KEY = "test-key"
 MODEL = "stories"
 PROMPT = "Once upon a time, there was a little"
-START_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(condition, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-class ServerProcess:
-    """`python -m minisgl ...` on a free port, in its own session and its own TMPDIR (where the
-    launcher puts its ipc files), so stopping it can be checked for leftovers."""
-
-    def __init__(self, tmp: Path, *options: str, api_key: str | None = None) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.api_key = api_key
-        self.tmpdir = tmp / "ipc"
-        self.tmpdir.mkdir()
-        self.log_path = tmp / "server.log"
-        # fp32 on the test device, like the offline engines the answers are compared with
-        device = ["--device", DEVICE, "--dtype", "float32"] if "--device" not in options else []
-        args = [sys.executable, "-m", "minisgl", "--port", str(self.port), *device, *options]
-        if api_key is not None:
-            args += ["--api-key", api_key]
-        env = {**os.environ, "TMPDIR": str(self.tmpdir)}
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        self._wait_ready()
-        self.children = _children(self.proc.pid)
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited:\n{self.log()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none")
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none")
-
-    def post(self, path: str, headers: dict[str, str] | None = None, **kwargs) -> httpx.Response:
-        headers = {**self.headers, **(headers or {})}
-        return httpx.post(self.url + path, headers=headers, timeout=60, **kwargs)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of GET /metrics, by name with labels."""
-        text = httpx.get(self.url + "/metrics").text
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
-
-    def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Stop the server as a terminal's Ctrl-C would (SIGINT to the whole session) or as a
-        process manager would (SIGTERM to the launcher alone); check that every child is gone
-        and the ipc directory removed."""
-        if self.proc.poll() is not None:
-            return
-        if signum == signal.SIGINT:
-            os.killpg(self.proc.pid, signum)
-        else:
-            self.proc.send_signal(signum)
-        assert self.proc.wait(timeout=30) == 0, self.log()
-        # multiprocessing's resource tracker leaves a moment after the launcher
-        _wait_for(lambda: not [pid for pid in self.children if _alive(pid)], timeout=10)
-        assert list(self.tmpdir.iterdir()) == [], "leftover ipc files"
 
 
 @pytest.fixture(scope="module")
@@ -423,12 +306,12 @@ def test_killed_client_aborts_its_request_and_frees_its_pages(server: ServerProc
     )
     assert client.stdout is not None
     assert client.stdout.readline() == b"streaming\n"
-    _wait_for(lambda: server.metrics()['minisgl_kv_pages{state="request"}'] > 0)
+    wait_for(lambda: server.metrics()['minisgl_kv_pages{state="request"}'] > 0)
     client.kill()
     client.wait()
 
-    _wait_for(lambda: server.metrics().get(aborted, 0) == before.get(aborted, 0) + 1)
-    _wait_for(lambda: server.metrics()["minisgl_running_requests"] == 0)
+    wait_for(lambda: server.metrics().get(aborted, 0) == before.get(aborted, 0) + 1)
+    wait_for(lambda: server.metrics()["minisgl_running_requests"] == 0)
     after = server.metrics()
     assert after['minisgl_kv_pages{state="request"}'] == 0
     assert after["minisgl_kv_integrity_checks"] > before["minisgl_kv_integrity_checks"]

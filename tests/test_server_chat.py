@@ -9,7 +9,7 @@ from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import DEVICE
-from .test_server import ServerProcess
+from .server_process import ServerProcess
 
 MAX_KV_TOKENS = 512  # also the context: the random Qwen3 knows 1024 positions
 MESSAGES = [

@@ -8,7 +8,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 
-from .test_server import ServerProcess
+from .server_process import ServerProcess
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They"]
 MAX_TOKENS = 24

@@ -13,7 +13,7 @@ import pytest
 
 from minisgl.utils import DEFAULT_MODEL_PATH
 
-from .test_server import _free_port
+from .server_process import free_port
 
 START_TIMEOUT_S = 180
 CHAT_TEMPLATE = (
@@ -44,7 +44,7 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def shell(chat_model: Path):
-    port = _free_port()
+    port = free_port()
     model = str(chat_model)
     child = pexpect.spawn(
         sys.executable,

@@ -1,0 +1,157 @@
+"""Clients the stress scenarios run beside the server: another client whose stream must keep
+going, a stream read to its end, and a request on a raw socket that can leave at any moment."""
+
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ..server_process import ServerProcess
+from .checks import MODEL
+
+
+@contextmanager
+def bystander(server: ServerProcess, max_tokens: int = 128) -> Iterator[None]:
+    """Another client's stream (the `openai` client; top_p sampling, eos ignored) is under way
+    when the block starts and must end with every one of its tokens: the server kept serving
+    others while the block's hostile requests were handled."""
+    started = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def stream() -> None:
+        try:
+            chunks = server.client(max_retries=0, timeout=120).completions.create(
+                model=MODEL,
+                prompt="Once upon a time",
+                max_tokens=max_tokens,
+                top_p=0.9,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in chunks:
+                started.set()
+                outcome["usage"] = chunk.usage or outcome.get("usage")
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    outcome["finish_reason"] = chunk.choices[0].finish_reason
+        except Exception as e:
+            outcome["error"] = e
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    started.wait(60)
+    yield
+    thread.join(120)
+    assert not thread.is_alive(), "the other client's stream hung"
+    assert "error" not in outcome, f"the other client's stream failed: {outcome['error']!r}"
+    assert outcome.get("finish_reason") == "length", outcome
+    assert outcome["usage"].completion_tokens == max_tokens
+
+
+@dataclass
+class Streamed:
+    """What a client read from a streaming request: the status, the data of every event but the
+    last `[DONE]`, and whether `[DONE]` came."""
+
+    status: int
+    events: list[Any]
+    done: bool
+
+    @property
+    def completion_tokens(self) -> int | None:
+        usages = [e["usage"] for e in self.events if isinstance(e, dict) and e.get("usage")]
+        return usages[-1]["completion_tokens"] if usages else None
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [
+            c["finish_reason"]
+            for e in self.events
+            if isinstance(e, dict)
+            for c in e.get("choices", [])
+            if c.get("finish_reason")
+        ]
+
+
+def read_stream(
+    server: ServerProcess,
+    route: str,
+    body: dict[str, Any],
+    started: threading.Event | None = None,
+) -> Streamed:
+    """POST `body` (with stream: true) and read the answer to its end; `started` is set when
+    the first event arrives."""
+    with httpx.stream(
+        "POST", server.url + route, json=body, headers=server.headers, timeout=120
+    ) as response:
+        if response.status_code != 200:
+            return Streamed(response.status_code, [json.loads(response.read())], False)
+        events, done = [], False
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                assert not done, "an event after [DONE]"
+                events.append(json.loads(line.removeprefix("data: ")))
+                if started is not None:
+                    started.set()
+        return Streamed(200, events, done)
+
+
+class RawRequest:
+    """A POST with a JSON body on a socket of its own: `leave()` is a client that goes away (its
+    socket closed) at whatever point the test has reached."""
+
+    def __init__(self, server: ServerProcess, path: str, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
+            + "\r\n"
+        )
+        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        self.sock.sendall(head.encode() + data)
+        self.received = b""
+
+    def answered(self) -> bool:
+        """Whether any byte of the answer has arrived (without waiting for one)."""
+        self.sock.setblocking(False)
+        try:
+            self.received += self.sock.recv(65536)
+        except BlockingIOError:
+            pass
+        finally:
+            self.sock.settimeout(60)
+        return bool(self.received)
+
+    def read_until(self, done: Callable[[bytes], bool]) -> bytes:
+        """Read until `done(everything received)`; the server must not close first."""
+        while not done(self.received):
+            data = self.sock.recv(65536)
+            assert data, "the server closed the connection"
+            self.received += data
+        return self.received
+
+    def closed_by_server(self, timeout: float) -> bool:
+        """Whether the server ends the connection within `timeout` seconds (what it still sends
+        before that is read and dropped)."""
+        self.sock.settimeout(timeout)
+        try:
+            while self.sock.recv(65536):
+                pass
+        except TimeoutError:
+            return False
+        except ConnectionError:
+            pass
+        return True
+
+    def leave(self) -> None:
+        self.sock.close()

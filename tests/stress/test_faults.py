@@ -1,0 +1,319 @@
+"""Faults: clients that leave at random or at each stage of a request's life, a KV pool far too
+small for its load, a full queue, SIGTERM under load, and a killed or a stopped scheduler."""
+
+import asyncio
+import json
+import os
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from ..server_process import ServerProcess, wait_for
+from .checks import (
+    GENERATED,
+    MODEL,
+    PREEMPTIONS,
+    QUEUED,
+    RUNNING,
+    assert_clean,
+    assert_openai_error,
+    check_error_body,
+    child,
+    delta,
+    ended,
+    finished,
+    wait_for_metrics,
+)
+from .clients import RawRequest, Streamed, read_stream
+from .keeper import ServerKeeper
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def _stream_body(route: str, prompt: str | list[int], max_tokens: int) -> dict:
+    """A streamed request of exactly `max_tokens` tokens (eos ignored) with a final usage chunk."""
+    body = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    if route == CHAT:
+        return {**body, "messages": [{"role": "user", "content": prompt}]}
+    return {**body, "prompt": prompt}
+
+
+def _random_ids(rng: random.Random, n: int) -> list[int]:
+    """A prompt no earlier request shares a prefix with (ids 0-2 are the special tokens)."""
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def _assert_complete(s: Streamed, max_tokens: int) -> None:
+    assert s.status == 200 and s.done, s
+    assert s.completion_tokens == max_tokens and s.finish_reasons == ["length"]
+
+
+# ------------------------------------------------------------------------ random disconnects
+def test_random_stream_disconnects_abort_exactly_the_streams_that_left(
+    ordinary_server: ServerProcess, size
+) -> None:
+    server = ordinary_server
+    rng = random.Random(1)
+    # None: read to the end; k: leave after k events, long before the end
+    plans = [rng.choice([None, rng.randint(1, 10)]) for _ in range(size(32, 128))]
+    lengths = [rng.randint(8, 48) for _ in plans]
+
+    async def one(client: httpx.AsyncClient, i: int) -> int | None:
+        """The stream's completion tokens, or None if its client left."""
+        route = CHAT if i % 2 else COMPLETIONS
+        body = _stream_body(route, f"Once upon a time {i}", 400 if plans[i] else lengths[i])
+        events, usage = 0, None
+        async with client.stream("POST", route, json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    return usage
+                if line.startswith("data: "):
+                    events += 1
+                    usage = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens")
+                    if events == plans[i]:
+                        return None  # leaving the block closes the connection
+        raise AssertionError("the stream ended without [DONE]")
+
+    async def all_clients() -> list[int | None]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(len(plans))))
+
+    before = server.metrics()
+    results = asyncio.run(all_clients())
+    stayed = [i for i, plan in enumerate(plans) if plan is None]
+    assert [results[i] for i in stayed] == [lengths[i] for i in stayed]
+    m = wait_for_metrics(server, lambda m: ended(before, m) == len(plans))
+    assert delta(before, m, finished("abort")) == len(plans) - len(stayed)
+    assert delta(before, m, finished("length")) == len(stayed)
+    assert_clean(server, before)
+
+
+# ------------------------------------------------------------------------ aborts by stage
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory):
+    """One request runs at a time, one token per step: a request waits in the queue, or
+    prefills for seconds, long enough for its client to leave at that stage."""
+    k = ServerKeeper(
+        lambda: ServerProcess(
+            tmp_path_factory.mktemp("one-at-a-time"),
+            "--max-running-requests",
+            "1",
+            "--chunk-size",
+            "1",
+            "--max-kv-tokens",
+            "4096",
+            "--served-model-name",
+            MODEL,
+        )
+    )
+    yield k
+    k.stop()
+
+
+def test_client_leaving_while_queued_is_aborted_before_it_runs(one_at_a_time) -> None:
+    server = one_at_a_time.get()
+    before = server.metrics()
+    holder = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 2000))
+    wait_for_metrics(server, lambda m: m[RUNNING] == 1)
+    victim = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, "Once upon", 100))
+    wait_for_metrics(server, lambda m: m[QUEUED] == 1)
+    victim.leave()
+    m = wait_for_metrics(server, lambda m: ended(before, m) >= 1)
+    assert delta(before, m, finished("abort")) == 1  # the victim's, the holder still runs
+    m = wait_for_metrics(server, lambda m: m[QUEUED] == 0)  # the gauge lags the counter
+    assert ended(before, m) == 1 and m[RUNNING] == 1
+    holder.leave()
+    wait_for_metrics(server, lambda m: delta(before, m, finished("abort")) == 2)
+    assert_clean(server, before)
+
+
+def test_client_leaving_while_its_prompt_is_prefilled_is_aborted(one_at_a_time) -> None:
+    server = one_at_a_time.get()
+    before = server.metrics()
+    prompt = _random_ids(random.Random(time.time_ns()), 1500)  # 1500 steps of one token
+    victim = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, prompt, 100))
+    wait_for_metrics(server, lambda m: m[RUNNING] == 1)
+    assert not victim.answered()  # no token yet: the prompt is being prefilled
+    victim.leave()
+    m = wait_for_metrics(server, lambda m: ended(before, m) >= 1)
+    assert delta(before, m, finished("abort")) == 1
+    assert delta(before, m, GENERATED) == 0
+    assert_clean(server, before)
+
+
+def test_client_leaving_while_decoding_is_aborted(one_at_a_time) -> None:
+    server = one_at_a_time.get()
+    before = server.metrics()
+    victim = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 1000))
+    victim.read_until(lambda received: received.count(b"data: ") >= 5)
+    victim.leave()
+    m = wait_for_metrics(server, lambda m: ended(before, m) >= 1)
+    assert delta(before, m, finished("abort")) == 1
+    assert delta(before, m, GENERATED) < 1000
+    assert_clean(server, before)
+
+
+# ------------------------------------------------------------------------ a tiny KV pool
+def _greedy_together(server: ServerProcess, prompts: list[str], max_tokens: int) -> list[dict]:
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            return await asyncio.gather(
+                *(client.post(COMPLETIONS, json={**body, "prompt": p}) for p in prompts)
+            )
+
+    return [r.json() for r in asyncio.run(together())]
+
+
+def test_tiny_kv_pool_preempts_and_every_request_finishes_unchanged(start_server, size) -> None:
+    # a pool of one context (2048 tokens) in pages of 4; three requests of ~510 tokens fit it
+    server = start_server("--max-kv-tokens", "2048", "--page-size", "4")
+    prompts = [f"Once upon a time {i}" for i in range(size(6, 48))]
+    unhurried = [
+        a
+        for i in range(0, len(prompts), 3)
+        for a in _greedy_together(server, prompts[i : i + 3], 500)
+    ]
+    before = server.metrics()
+    crowded = _greedy_together(server, prompts, 500)
+    assert delta(before, server.metrics(), PREEMPTIONS) > 0
+    for want, got in zip(unhurried, crowded, strict=True):
+        assert got["usage"]["completion_tokens"] == 500
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert_clean(server, before)
+    server.stop()
+
+
+# ------------------------------------------------------------------------ a full queue
+def test_request_beyond_max_queued_is_a_429_with_retry_after(start_server) -> None:
+    server = start_server(
+        "--max-running-requests", "1", "--max-queued-requests", "2", "--max-kv-tokens", "4096"
+    )
+    before = server.metrics()
+    holder = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 2000))
+    wait_for_metrics(server, lambda m: m[RUNNING] == 1)
+    with ThreadPoolExecutor(2) as pool:
+        queued = [
+            pool.submit(read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, p, 8))
+            for p in ("The dog", "The cat")
+        ]
+        wait_for_metrics(server, lambda m: m[QUEUED] == 2)
+        response = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once"})
+        assert_openai_error(response, 429)
+        assert int(response.headers["Retry-After"]) >= 0
+        holder.leave()  # the queue moves on
+        for q in queued:
+            _assert_complete(q.result(), 8)
+    assert_clean(server, before)
+    server.stop()
+
+
+# ------------------------------------------------------------------------ SIGTERM under load
+SHUTDOWN_TIMEOUT_S = 3
+
+
+def test_sigterm_under_load_ends_every_request_and_exits_0(start_server, size) -> None:
+    server = start_server("--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--max-kv-tokens", "16384")
+    long_clients = size(8, 32)
+    non_streamed = {"stream": False, "stream_options": None}
+    with ThreadPoolExecutor(2 * long_clients + 2) as pool:
+        # far more tokens than the shutdown timeout leaves time for
+        long_streams = [
+            pool.submit(read_stream, server, r, _stream_body(r, f"Once {i}", 1900))
+            for i, r in enumerate([COMPLETIONS, CHAT] * (long_clients // 2))
+        ]
+        long_posts = [
+            pool.submit(server.post, r, json={**_stream_body(r, f"A {i}", 1900), **non_streamed})
+            for i, r in enumerate([COMPLETIONS, CHAT] * (long_clients // 2))
+        ]
+        wait_for_metrics(server, lambda m: m[RUNNING] >= 2 * long_clients)
+        started = [threading.Event() for _ in range(2)]
+        short = [
+            pool.submit(
+                read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, f"B {i}", 40), event
+            )
+            for i, event in enumerate(started)
+        ]
+        assert all(event.wait(60) for event in started)
+        server.proc.send_signal(signal.SIGTERM)
+
+        def refusing() -> bool:
+            try:
+                return httpx.get(server.url + "/health", timeout=5).status_code == 503
+            except httpx.TransportError:
+                return True
+
+        wait_for(refusing, SHUTDOWN_TIMEOUT_S, "/health still answers 200")
+        try:
+            late = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once"}, timeout=10)
+            assert_openai_error(late, 503)
+        except httpx.TransportError:
+            pass  # the port is closed already
+        for s in short:  # running requests may finish within the shutdown timeout
+            _assert_complete(s.result(), 40)
+        for s in (f.result() for f in long_streams):
+            assert s.status == 200 and s.done, s
+            check_error_body(s.events[-1])  # the last event before [DONE] is an error
+        for r in (f.result() for f in long_posts):
+            assert_openai_error(r, 503)
+    assert server.wait_exit(timeout=SHUTDOWN_TIMEOUT_S + 20) == 0, server.log()
+
+
+# ------------------------------------------------------------------------ a killed scheduler
+def test_killed_scheduler_makes_the_launcher_exit_promptly(start_server) -> None:
+    server = start_server("--max-kv-tokens", "4096")
+    clients = [
+        RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, f"Once {i}", 1500))
+        for i in range(4)
+    ]
+    wait_for_metrics(server, lambda m: m[RUNNING] == 4)
+    os.kill(child(server, "scheduler-0"), signal.SIGKILL)
+    assert server.wait_exit(timeout=15) != 0  # no child and no ipc file left either
+    assert all(c.closed_by_server(timeout=10) for c in clients)  # not left hanging
+
+
+# ------------------------------------------------------------------------ a stopped scheduler
+HEALTH_TIMEOUT_S = 2
+
+
+def test_stopped_scheduler_makes_health_503_until_it_resumes(start_server) -> None:
+    server = start_server(
+        "--health-timeout", str(HEALTH_TIMEOUT_S), "--max-kv-tokens", "4096",
+        api_key="stopped-key",
+    )  # fmt: skip
+    time.sleep(HEALTH_TIMEOUT_S + 1)  # idle for longer than the timeout: it heartbeats idle too
+    assert httpx.get(server.url + "/health").status_code == 200  # never behind the API key
+    before = server.metrics()
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(
+            read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 1000)
+        )
+        wait_for_metrics(server, lambda m: m[RUNNING] == 1)
+        scheduler = child(server, "scheduler-0")
+        os.kill(scheduler, signal.SIGSTOP)
+        try:
+            wait_for(
+                lambda: httpx.get(server.url + "/health").status_code == 503,
+                HEALTH_TIMEOUT_S + 10,
+                "/health still 200 with the scheduler stopped",
+            )
+            assert_openai_error(httpx.get(server.url + "/health"), 503)
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+        wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 10)
+        _assert_complete(stream.result(), 1000)  # the stream goes on where it stopped
+    assert_clean(server, before)
+    server.stop()

@@ -1,0 +1,509 @@
+"""The issue "One request must never take the server down": one test per row of its table (D1-D12,
+D10 in test_faults.py), scaled for CI. A hostile request gets a 4xx in OpenAI's error shape (or the
+answer the contract gives it), another client's stream keeps going meanwhile, and the server is
+clean afterwards."""
+
+import json
+import resource
+import selectors
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ..server_process import ServerProcess
+from .checks import (
+    GENERATED,
+    MODEL,
+    assert_clean,
+    assert_openai_error,
+    child,
+    delta,
+    ended,
+    finished,
+    wait_for_metrics,
+)
+from .clients import bystander
+from .keeper import ServerKeeper
+
+API_KEY = "hostile-key"
+CONTEXT = 2048  # the embedded model's positions; the pool holds eight full contexts
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+JSON = {"Content-Type": "application/json"}
+INT64_MAX = 2**63 - 1
+
+
+@pytest.fixture(scope="module")
+def keeper(tmp_path_factory: pytest.TempPathFactory):
+    k = ServerKeeper(
+        lambda: ServerProcess(
+            tmp_path_factory.mktemp("hostile"),
+            "--max-kv-tokens",
+            str(8 * CONTEXT),
+            "--served-model-name",
+            MODEL,
+            api_key=API_KEY,
+            open_files=1024,  # for D11; the server is to raise its own limit
+        )
+    )
+    yield k
+    k.stop()
+
+
+@pytest.fixture
+def server(keeper: ServerKeeper) -> ServerProcess:
+    return keeper.get()
+
+
+def _post_json(
+    server: ServerProcess, route: str, body: dict, timeout: float = 60
+) -> httpx.Response:
+    """`body` as JSON the way Python writes it: lone surrogates as \\ud800 escapes, non-finite
+    floats as NaN and Infinity, any integer in full."""
+    return server.post(route, content=json.dumps(body).encode(), headers=JSON, timeout=timeout)
+
+
+def _text(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+# ---------------------------------------------------------------------------------------- D1
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 3, "top_k": 2**63}),
+        (CHAT, {"messages": HI, "max_tokens": 3, "top_k": 2**64 - 1}),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 3, "temperature": 0, "top_k": 2**63}),
+    ],
+    ids=["completion 2**63", "chat 2**64-1", "greedy in a batch with top_p"],
+)
+def test_top_k_beyond_int64_is_a_400_and_the_server_keeps_serving(
+    server: ServerProcess, route: str, body: dict
+) -> None:
+    before = server.metrics()
+    with bystander(server):  # a top_p stream: the hostile request shares its batches
+        assert_openai_error(_post_json(server, route, {"model": MODEL, **body}), 400)
+    assert_clean(server, before)
+
+
+@pytest.mark.parametrize("top_k", [513, INT64_MAX])
+def test_top_k_above_the_vocabulary_means_no_top_k(server: ServerProcess, top_k: int) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "seed": 5}
+    before = server.metrics()
+    with bystander(server):
+        assert _text(_post_json(server, COMPLETIONS, {**body, "top_k": top_k})) == _text(
+            _post_json(server, COMPLETIONS, body)
+        )
+    assert_clean(server, before)
+
+
+# ---------------------------------------------------------------------------------------- D2
+@pytest.mark.parametrize("temperature", [1e-38, 5e-38, 1e-44, 1e-6])
+def test_temperature_below_1e_5_is_greedy_and_the_server_keeps_serving(
+    server: ServerProcess, temperature: float
+) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 16}
+    before = server.metrics()
+    with bystander(server):
+        tiny = _text(_post_json(server, COMPLETIONS, {**body, "temperature": temperature}))
+    assert tiny == _text(_post_json(server, COMPLETIONS, {**body, "temperature": 0}))
+    assert_clean(server, before)
+
+
+# ---------------------------------------------------------------------------------------- D3
+def test_non_streaming_request_whose_client_left_is_aborted(server: ServerProcess) -> None:
+    before = server.metrics()
+    # no max_tokens and eos ignored: it would run to the end of the context (seconds here)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Once"}], "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        server.post(CHAT, json=body, timeout=1)  # curl -m 1
+    after = wait_for_metrics(server, lambda m: ended(before, m) >= 1, 60)
+    assert delta(before, after, finished("abort")) == 1
+    assert delta(before, after, finished("length")) == 0
+    assert delta(before, after, GENERATED) < CONTEXT - 100
+    assert_clean(server, before)
+
+
+# ---------------------------------------------------------------------------------------- D4
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        (COMPLETIONS, {"prompt": "Once", "max_tokens": 1, "n": 100_000}),
+        (COMPLETIONS, {"prompt": ["Once"] * 100_000, "max_tokens": 1}),
+        (COMPLETIONS, {"prompt": "Once", "max_tokens": 1, "n": 1_000_000}),
+        (COMPLETIONS, {"prompt": "Once", "max_tokens": 1, "n": 129}),
+        (CHAT, {"messages": HI, "max_tokens": 1, "n": 129}),
+        (COMPLETIONS, {"prompt": ["Once"] * 2049, "max_tokens": 1}),
+        (COMPLETIONS, {"prompt": [[1, 2]] * 2049, "max_tokens": 1}),
+    ],
+    ids=[
+        "n 100000",
+        "100000 prompts",
+        "n 1000000",
+        "n 129",
+        "chat n 129",
+        "2049 prompts",
+        "2049 id prompts",
+    ],
+)
+def test_n_or_prompts_beyond_the_limits_are_a_400_that_runs_nothing(
+    server: ServerProcess, route: str, body: dict
+) -> None:
+    before = server.metrics()
+    with bystander(server, max_tokens=256):
+        assert_openai_error(_post_json(server, route, {"model": MODEL, **body}, timeout=30), 400)
+    # the other client's tokens, and not one more
+    assert delta(before, server.metrics(), GENERATED) == 256
+    assert_clean(server, before)
+
+
+@pytest.mark.parametrize(
+    ("body", "choices"),
+    [({"prompt": "Once", "n": 128}, 128), ({"prompt": ["Once"] * 2048}, 2048)],
+    ids=["n 128", "2048 prompts"],
+)
+def test_n_128_and_2048_prompts_are_served(server: ServerProcess, body: dict, choices: int) -> None:
+    before = server.metrics()
+    response = _post_json(server, COMPLETIONS, {"model": MODEL, "max_tokens": 1, **body})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == choices
+    assert response.json()["usage"]["completion_tokens"] == choices
+    assert_clean(server, before)
+
+
+def test_another_client_is_served_while_a_128_choice_request_runs(server: ServerProcess) -> None:
+    before = server.metrics()
+    # 128 x 100 tokens fit the pool: nothing is preempted, the small request only shares batches
+    body = {
+        "model": MODEL,
+        "prompt": "Once",
+        "n": 128,
+        "max_tokens": 100,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", server.url + COMPLETIONS, json=body, headers=server.headers, timeout=60
+    ) as hostile:
+        assert hostile.status_code == 200  # every one of its 128 requests has started
+        small = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once", "max_tokens": 8})
+        assert small.json()["usage"]["completion_tokens"] == 8
+        # the small request is the only one that ended: the 128 were still running
+        assert ended(before, server.metrics()) == 1
+    wait_for_metrics(server, lambda m: ended(before, m) == 1 + 128, 60)
+    assert_clean(server, before)
+
+
+# ---------------------------------------------------------------------------------------- D5
+@pytest.mark.parametrize(
+    "stop",
+    [
+        [f"{i:05d}" + "x" * 995 for i in range(10_000)],
+        [f"s{i}" for i in range(65)],
+        ["x" * 1025],
+    ],
+    ids=["10000 stops of 1000 chars", "65 stops", "a stop of 1025 chars"],
+)
+def test_too_many_or_too_long_stop_strings_are_a_400(server: ServerProcess, stop: list) -> None:
+    before = server.metrics()
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 64, "stop": stop, "ignore_eos": True}
+    with bystander(server, max_tokens=512):
+        assert_openai_error(_post_json(server, COMPLETIONS, body, timeout=30), 400)
+    assert_clean(server, before)
+
+
+def test_64_stop_strings_of_1024_chars_are_served(server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 32, "seed": 1, "ignore_eos": True}
+    stop = [f"{i:02d}" + "Ω" * 1022 for i in range(64)]  # text the model never writes
+    before = server.metrics()
+    assert _text(_post_json(server, COMPLETIONS, {**body, "stop": stop})) == _text(
+        _post_json(server, COMPLETIONS, body)
+    )
+    assert_clean(server, before)
+
+
+# ---------------------------------------------------------------------------------------- D6
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_body_over_32_mib_is_a_413(server: ServerProcess, chunked: bool) -> None:
+    before = server.metrics()
+    body = json.dumps({"model": MODEL, "prompt": "a" * 2**25, "max_tokens": 1}).encode()
+    content = (body[i : i + 2**20] for i in range(0, len(body), 2**20)) if chunked else body
+    with bystander(server, max_tokens=512):
+        response = server.post(COMPLETIONS, content=content, headers=JSON, timeout=60)
+    assert_openai_error(response, 413)
+    assert_clean(server, before)
+
+
+# ---------------------------------------------------------------------------------------- D7
+LONE_SURROGATE = "\ud800"
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        (COMPLETIONS, {"model": MODEL, "prompt": LONE_SURROGATE}),
+        (COMPLETIONS, {"model": MODEL, "prompt": ["hi", "a\udfffb"]}),
+        (COMPLETIONS, {"model": LONE_SURROGATE, "prompt": "hi"}),
+        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": LONE_SURROGATE}]}),
+        (
+            CHAT,
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": LONE_SURROGATE}]}
+                ],
+            },
+        ),
+        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "stop": [LONE_SURROGATE]}),
+        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "user": LONE_SURROGATE}),
+    ],
+    ids=["prompt", "prompt list", "model", "chat content", "chat text part", "stop", "user"],
+)
+def test_lone_surrogate_in_any_string_field_is_a_400(
+    server: ServerProcess, route: str, body: dict
+) -> None:
+    before = server.metrics()
+    with bystander(server):
+        assert_openai_error(_post_json(server, route, {"max_tokens": 3, **body}), 400)
+    assert_clean(server, before)
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        (COMPLETIONS, {"max_tokens": 2**64}),
+        (COMPLETIONS, {"max_tokens": 2**63}),
+        (CHAT, {"max_tokens": 2**64}),
+        (CHAT, {"max_completion_tokens": 2**63}),
+        (COMPLETIONS, {"n": 2**63}),
+        (COMPLETIONS, {"seed": 2**63}),
+        (COMPLETIONS, {"seed": -(2**63) - 1}),
+        (COMPLETIONS, {"stop_token_ids": [2**64]}),
+        (COMPLETIONS, {"prompt": [1, 2**64]}),
+        (COMPLETIONS, {"prompt": [[1], [-(2**63) - 1]]}),
+        (COMPLETIONS, {"top_k": 2**64}),
+        (COMPLETIONS, {"logprobs": 2**63}),
+        (CHAT, {"logprobs": True, "top_logprobs": 2**63}),
+    ],
+    ids=[
+        "max_tokens 2**64",
+        "max_tokens 2**63",
+        "chat max_tokens 2**64",
+        "max_completion_tokens 2**63",
+        "n 2**63",
+        "seed 2**63",
+        "seed -2**63-1",
+        "stop_token_ids 2**64",
+        "prompt id 2**64",
+        "prompt id -2**63-1",
+        "top_k 2**64",
+        "logprobs 2**63",
+        "top_logprobs 2**63",
+    ],
+)
+def test_integer_beyond_int64_is_a_400(server: ServerProcess, route: str, body: dict) -> None:
+    base = {"prompt": "hi"} if route == COMPLETIONS else {"messages": HI}
+    before = server.metrics()
+    with bystander(server):
+        response = _post_json(server, route, {"model": MODEL, "max_tokens": 3, **base, **body})
+    assert_openai_error(response, 400)
+    assert_clean(server, before)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"max_tokens": INT64_MAX},
+        {"seed": INT64_MAX},
+        {"seed": -(2**63)},
+        {"stop_token_ids": [INT64_MAX]},
+        {"top_k": INT64_MAX},
+    ],
+    ids=["max_tokens", "seed", "seed -2**63", "stop_token_ids", "top_k"],
+)
+def test_integers_at_the_int64_bounds_are_served(server: ServerProcess, body: dict) -> None:
+    # 8 tokens of the context left: max_tokens of 2**63-1 ends there
+    prompt = [100] * (CONTEXT - 8)
+    response = _post_json(
+        server, COMPLETIONS, {"model": MODEL, "prompt": prompt, "max_tokens": 8, **body}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"logprobs": 21}, {"n": 0}, {"top_k": -2}, {"max_tokens": -(2**63)}],
+    ids=["logprobs 21", "n 0", "top_k -2", "max_tokens -2**63"],
+)
+def test_integer_outside_its_range_is_a_400(server: ServerProcess, body: dict) -> None:
+    before = server.metrics()
+    response = _post_json(server, COMPLETIONS, {"model": MODEL, "prompt": "hi", **body})
+    assert_openai_error(response, 400)
+    assert_clean(server, before)
+
+
+# ---------------------------------------------------------------------------------------- D8
+@pytest.mark.parametrize(
+    "bad",
+    [[1180591620717411303424], [1, 512], []],
+    ids=["id 2**70", "id outside the vocabulary", "empty"],
+)
+def test_request_with_one_bad_prompt_runs_none_of_its_prompts(
+    server: ServerProcess, bad: list[int]
+) -> None:
+    before = server.metrics()
+    body = {"model": MODEL, "prompt": [[1, 2, 3], bad], "max_tokens": 1500, "ignore_eos": True}
+    assert_openai_error(_post_json(server, COMPLETIONS, body), 400)
+    assert_clean(server, before)
+    # assert_clean's own small completion made 2 tokens; the good prompt made none
+    assert delta(before, server.metrics(), GENERATED) == 2
+
+
+# ---------------------------------------------------------------------------------------- D9
+MALFORMED = {
+    "invalid UTF-8": b'{"prompt": "\xff\xfe\xfd", "max_tokens": 1}',
+    "nested 10**5 deep": b'{"prompt": ' + b"[" * 10**5 + b"]" * 10**5 + b"}",
+    "4301-digit integer": b'{"prompt": "hi", "max_tokens": 1' + b"0" * 4300 + b"}",
+    "truncated": b'{"prompt": "hi",',
+    "not an object": b'["prompt", "hi"]',
+    "null": b"null",
+    "empty": b"",
+}
+
+
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("content", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_body_is_a_400_in_openai_shape(
+    server: ServerProcess, route: str, content: bytes
+) -> None:
+    before = server.metrics()
+    with bystander(server):
+        assert_openai_error(server.post(route, content=content, headers=JSON), 400)
+    assert_clean(server, before)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/nope", 404),
+        ("POST", "/v1/nope", 404),
+        ("GET", "/v1/completions", 405),
+        ("DELETE", "/v1/models", 405),
+        ("POST", "/health", 405),
+    ],
+)
+def test_unknown_route_or_method_is_an_openai_error(
+    server: ServerProcess, method: str, path: str, status: int
+) -> None:
+    response = httpx.request(method, server.url + path, headers=server.headers, timeout=10)
+    assert_openai_error(response, status)
+
+
+# --------------------------------------------------------------------------------------- D11
+def _closed_by_server(socks: list[socket.socket], timeout: float) -> bool:
+    """Whether the server closes every socket within `timeout` seconds (each reads EOF)."""
+    with selectors.DefaultSelector() as selector:  # epoll: select() stops at fd 1024
+        for s in socks:
+            selector.register(s, selectors.EVENT_READ)
+        left, deadline = len(socks), time.monotonic() + timeout
+        while left and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=0.5):
+                try:
+                    closed = key.fileobj.recv(65536) == b""
+                except ConnectionError:
+                    closed = True
+                if closed:
+                    selector.unregister(key.fileobj)
+                    left -= 1
+    return left == 0
+
+
+@pytest.fixture
+def many_open_files() -> Iterator[None]:
+    """The test's own side of a flood of connections: its soft open-file limit raised."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_flood_of_idle_connections_leaves_the_server_reachable(
+    server: ServerProcess, many_open_files
+) -> None:
+    before = server.metrics()
+    log_size = server.log_path.stat().st_size
+    flood = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(1100)]
+    try:
+        small = {"model": MODEL, "prompt": "Once", "max_tokens": 4}
+        assert server.post(COMPLETIONS, json=small, timeout=10).status_code == 200
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        log = server.log_path.read_bytes()[log_size:]
+        assert b"Too many open files" not in log and len(log) < 64 * 1024, log[-2000:]
+        # idle connections are closed after --timeout-keep-alive (default 5 s)
+        assert _closed_by_server(flood, timeout=5 + 10)
+    finally:
+        for s in flood:
+            s.close()
+    limits = Path(f"/proc/{child(server, 'api-server')}/limits").read_text()
+    line = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+    assert line.split()[3] == line.split()[4]  # the server raised its soft limit to the hard one
+    assert_clean(server, before)
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(server: ServerProcess) -> None:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    with sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert _closed_by_server([sock], timeout=5 + 5)
+
+
+# --------------------------------------------------------------------------------------- D12
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN", "1e999"])
+def test_non_finite_temperature_is_a_400(server: ServerProcess, value: str) -> None:
+    content = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 3, "temperature": {value}}}'
+    before = server.metrics()
+    with bystander(server):
+        assert_openai_error(server.post(COMPLETIONS, content=content.encode(), headers=JSON), 400)
+    assert_clean(server, before)
+
+
+def test_authorization_scheme_is_case_insensitive(server: ServerProcess) -> None:
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        headers = {"Authorization": f"{scheme} {API_KEY}"}
+        assert httpx.get(server.url + "/v1/models", headers=headers).status_code == 200, scheme
+        wrong = {"Authorization": f"{scheme} not-the-key"}
+        assert_openai_error(httpx.get(server.url + "/v1/models", headers=wrong), 401)
+
+
+@pytest.mark.parametrize("path", ["/docs", "/openapi.json"])
+def test_docs_and_openapi_need_the_api_key(server: ServerProcess, path: str) -> None:
+    assert_openai_error(httpx.get(server.url + path), 401)
+    assert httpx.get(server.url + path, headers=server.headers).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200  # never behind the key
+
+
+def test_api_key_from_the_environment_is_enforced_and_on_no_command_line(start_server) -> None:
+    key = "env-secret-5b1f0c"
+    server = start_server("--max-kv-tokens", "2048", api_key=key, env={"MINISGL_API_KEY": key})
+    assert_openai_error(httpx.get(server.url + "/v1/models"), 401)
+    assert httpx.get(server.url + "/v1/models", headers=server.headers).status_code == 200
+    for pid in [server.proc.pid, *server.children]:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read(), f"the key is on the command line of {pid}"
+    server.stop()
+
+
+def test_kill_9_of_the_launcher_leaves_no_process_and_no_ipc_file(start_server) -> None:
+    server = start_server("--max-kv-tokens", "2048")
+    on_disk = server.ipc_files()
+    server.proc.kill()
+    assert server.wait_exit(timeout=10) == -9  # every child gone, no ipc file left
+    assert not on_disk, "ipc files on disk while serving (abstract sockets have none)"
