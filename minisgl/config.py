@@ -7,6 +7,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+
+class ConfigError(ValueError):
+    """A setting, or a model directory, that cannot be served: found at start-up, said in a line."""
+
+
 # tokens per step when none is given. The server's: a longer step delays its running streams.
 SERVER_CHUNK_SIZE = 8192
 
@@ -43,11 +48,11 @@ class EngineConfig:
         check_positive(self, "page_size", "max_running_requests", "tp_size")
         check_positive(self, "max_kv_tokens", "max_model_len", optional=True)
         if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp rank {self.tp_rank} is outside a TP size of {self.tp_size}")
+            raise ConfigError(f"tp rank {self.tp_rank} is outside a TP size of {self.tp_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
-            raise ValueError("cuda_graph_max_bs must be >= 0")
+            raise ConfigError("cuda_graph_max_bs must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ def check_positive(config: Any, *names: str, optional: bool = False) -> None:
         if optional and value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+            raise ConfigError(f"{name} must be an integer >= 1, not {value!r}")
 
 
 def field_names(cls: type) -> set[str]:
@@ -80,7 +85,7 @@ def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     engine_names, scheduler_names = field_names(EngineConfig), field_names(SchedulerConfig)
     unknown = sorted(set(overrides) - engine_names - scheduler_names - {"model_path"})
     if unknown:
-        raise ValueError(f"unknown setting(s) {', '.join(unknown)}")
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")
     engine = {k: v for k, v in overrides.items() if k in engine_names}
     scheduler = {k: v for k, v in overrides.items() if k in scheduler_names}
     return engine, scheduler
@@ -90,14 +95,14 @@ def max_seq_len(config: EngineConfig, model_positions: int) -> int:
     """The longest sequence a request may reach: the model's, or max_model_len below it."""
     wanted = config.max_model_len
     if wanted is not None and wanted > model_positions:
-        raise ValueError(f"max_model_len {wanted} exceeds the model's {model_positions} positions")
+        raise ConfigError(f"max_model_len {wanted} exceeds the model's {model_positions} positions")
     return wanted or model_positions
 
 
 def check_kv_capacity(kv_tokens: int, seq_len: int) -> None:
     """Raise ValueError unless a KV cache of kv_tokens holds one request of seq_len tokens."""
     if kv_tokens < seq_len:
-        raise ValueError(
+        raise ConfigError(
             f"the KV cache holds {kv_tokens} tokens, fewer than one request of the maximum model "
             f"length ({seq_len}): give it more (--max-kv-tokens, --gpu-memory-utilization) or set "
             f"--max-model-len to at most {kv_tokens}"

@@ -1,9 +1,11 @@
 """The wire between processes: small dataclasses, msgpack-encoded, over ZMQ PUSH/PULL sockets.
 
-  API server ─TokenizeRequest, AbortRequest─▶ tokenizer ─AddRequests, AbortRequest─▶ scheduler rank 0
-      ▲                                       (2 threads)                                  │     │
-      └─ Ready, Heartbeat, TextOutputs ───── detokenizer ◀── Ready, Heartbeat, StepOutputs ─┘     │
-                     scheduler ranks 1..tp-1 ◀── each step's list[AddRequests | AbortRequest] ───┘
+                 ┌──────────────── tokenizer process ────────────────┐
+  API server ─TokenizeRequest, AbortRequest─▶ tokenize thread ─AddRequests, AbortRequest─▶ scheduler
+    ▲  ▲                                       │     ▲                                      rank 0
+    │  └───────────── Ready ───────────────────┘     └──────────── Ready ───────────────────┘ │ │
+    └─ Heartbeat, TextOutputs ─ detokenize thread ◀─ Heartbeat, StepOutputs ────────────────┘ │
+                  scheduler ranks 1..tp-1 ◀── each step's list[AddRequests | AbortRequest] ────┘
 
 Every socket is bound by the process that reads it; the processes that write to it connect. A
 step's outputs travel as one message of columns (a row per request that got a token), and what
@@ -69,8 +71,8 @@ class AddRequests:
 @_wire
 @dataclass
 class Ready:
-    """Sent once by scheduler rank 0 when every rank is ready, to both tokenizer threads; the
-    detokenize thread forwards it to the API server."""
+    """Sent once by scheduler rank 0 when every rank is ready, to the tokenize thread, which
+    forwards it to the API server."""
 
     max_seq_len: int  # prompt + output tokens of one request, at most
     vocab_size: int
@@ -80,6 +82,8 @@ class Ready:
 @dataclass
 class Heartbeat:
     """Sent by the scheduler at least once a second, busy or idle; forwarded to the API server."""
+
+    loop_age: float  # seconds since the scheduler's loop last went round
 
 
 @_wire

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.config import offline_chunk_size
@@ -113,8 +114,10 @@ def test_offline_default_chunk_size_follows_the_device(model_path) -> None:
     assert offline_chunk_size("cuda", 24 * gib, "NVIDIA GeForce RTX 4090") == 8192
     assert offline_chunk_size("cpu") == 8192
     llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1024)
-    if llm.engine.device.type == "cpu":
-        assert llm.scheduler.config.chunk_size == 8192
+    device = llm.engine.device
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    want = offline_chunk_size(device.type, *((props.total_memory, props.name) if props else ()))
+    assert llm.scheduler.config.chunk_size == want
     with pytest.raises(ValueError, match="chunk_size"):
         LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=1024, chunk_size=0)
 

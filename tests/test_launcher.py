@@ -16,13 +16,13 @@ from minisgl.server.cli import parse_args
 from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import TOKENIZER_FILES
-from .server_process import ServerProcess
+from .server_process import ServerProcess, free_port
 
 
 def _launch(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(
-        [sys.executable, "-m", "minisgl", "--port", "18999", *flags],
+        [sys.executable, "-m", "minisgl", "--port", str(free_port()), *flags],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -109,10 +109,11 @@ def test_version_and_serve_model_as_in_vllm() -> None:
     assert parse_args([str(DEFAULT_MODEL_PATH)]).engine.model_path == DEFAULT_MODEL_PATH
 
 
-def test_the_api_key_comes_from_the_environment_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MINISGL_API_KEY", "from-env")
-    assert parse_args([]).api_key == "from-env"
-    assert parse_args(["--api-key", "given"]).api_key == "given"
+def test_the_api_key_comes_from_the_environment_too() -> None:
+    environ = {"MINISGL_API_KEY": "from-env"}
+    assert parse_args([], environ).api_key == "from-env"
+    assert parse_args(["--api-key", "given"], environ).api_key == "given"
+    assert parse_args([], {}).api_key is None
 
 
 def test_vllm_flags_reach_the_server(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.attention.base import AttentionBackend
-from minisgl.config import EngineConfig, check_kv_capacity, max_seq_len
+from minisgl.config import ConfigError, EngineConfig, check_kv_capacity, max_seq_len
 from minisgl.core import Batch, BatchInputs, EngineLayout
 from minisgl.distributed import set_tp_info
 from minisgl.kernel import sample_tokens
@@ -150,7 +150,7 @@ class Engine:
         page_size = self.config.page_size
         width = -(-self.max_seq_len // page_size) * page_size
         if rows * max(width, self.max_seq_len) >= 2**31:
-            raise ValueError("the page and token tables need int32 entries: fewer slots or tokens")
+            raise ConfigError("the page and token tables need int32 entries: fewer slots or tokens")
         self.dummy_slot = rows - 1
         self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
         self.page_table[self.dummy_slot] = self.pool.dummy_loc

@@ -3,6 +3,7 @@ import math
 
 import torch
 
+from minisgl.config import ConfigError
 from minisgl.kernel import KVStore, apply_rope_inplace
 
 from .base import StateLessOP
@@ -70,7 +71,7 @@ def _get_rope(
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling_dict)
         elif rope_type != "default":
-            raise ValueError(
+            raise ConfigError(
                 f"unsupported rope_scaling type {rope_type!r}; supported: default, llama3"
             )
         return RotaryEmbedding(head_dim, max_position, inv_freq)

@@ -2,6 +2,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from minisgl.config import ConfigError
 from minisgl.layers.rotary import RopeScaling
 
 
@@ -44,12 +45,12 @@ class ModelConfig:
         archs = list(getattr(config, "architectures", None) or [])
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(
+            raise ConfigError(
                 f"unsupported architecture {archs}; supported: {', '.join(sorted(ARCHITECTURES))}"
             )
         traits = ARCHITECTURES[arch]
         if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu")
+            raise ConfigError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu")
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from minisgl.config import ConfigError
 from minisgl.distributed import TPInfo
 from minisgl.layers import local_kv_heads
 from minisgl.utils import div_ceil
@@ -109,11 +110,11 @@ def load_weights(
                 merged, part = _MERGED.get(module, (module, 0))
                 target = name.replace(f".{module}.", f".{merged}.") if module in _MERGED else name
                 if full_shape is None or target not in expected:
-                    raise ValueError(f"unexpected tensor {name!r} in {file.name}")
+                    raise ConfigError(f"unexpected tensor {name!r} in {file.name}")
                 tensor_slice = f.get_slice(name)
                 shape = tuple(tensor_slice.get_shape())
                 if shape != full_shape:
-                    raise ValueError(
+                    raise ConfigError(
                         f"tensor {name!r} in {file.name} has shape {shape}, expected {full_shape}"
                     )
                 tensor = _shard(module, tensor_slice, full_shape, config, tp).to(device, dtype)
@@ -129,7 +130,7 @@ def load_weights(
                     yield target, torch.cat([parts[i] for i in range(len(parts))])
     missing = [name for name in expected if name not in seen]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint {model_path} is missing tensor(s) {_describe_missing(missing, pending)}"
         )
 

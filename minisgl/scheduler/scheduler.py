@@ -62,7 +62,6 @@ class Scheduler:
         self._reqs: dict[int, Req] = {}
         self._in_flight: _InFlight | None = None
         self._rng = random.Random(config.seed)
-        self.overlap = config.overlap
 
     # ------------------------------------------------------------------ requests in and out
     def add_requests(self, requests: Sequence[tuple[int, list[int], SamplingParams]]) -> None:
@@ -118,7 +117,7 @@ class Scheduler:
         if batch is not None:
             self.stats.steps += 1
             launched = _InFlight(batch, self.engine.forward(batch))
-        if not self.overlap:
+        if not self.config.overlap:
             return self._process(launched) if launched else StepOutputs()
         finished_step, self._in_flight = self._in_flight, launched
         return self._process(finished_step) if finished_step else StepOutputs()

@@ -39,6 +39,7 @@ logger = init_logger(__name__)
 
 LOAD_INTERVAL_S = 0.5  # how often a busy scheduler reports its load (and always when it idles)
 HEARTBEAT_INTERVAL_S = 0.5
+IDLE_TURN_MS = 500  # an idle loop still turns this often, so its heartbeat proves it is not stuck
 
 Message = AddRequests | AbortRequest
 
@@ -50,6 +51,7 @@ class SchedulerWorker:
         self.integrity_checks = 0
         self.integrity_failures = 0
         self._last_load = 0.0
+        self.last_turn = time.monotonic()  # when the serving loop last went round (the heartbeat's)
 
     def apply(self, messages: list[Message]) -> tuple[list[Finished], list[ReqError]]:
         """Add and abort requests; returns the aborted ones' ends and the rejected ones."""
@@ -136,12 +138,18 @@ def _serve_primary(worker: SchedulerWorker, addresses: Addresses) -> None:
     followers = [connect_push(ctx, address) for address in addresses.followers]
     outbox = connect_push(ctx, addresses.detokenizer)
     layout = worker.scheduler.layout
-    ready = Ready(layout.max_seq_len, layout.vocab_size)
-    send(connect_push(ctx, addresses.tokenizer), ready)
-    send(outbox, ready)
-    threading.Thread(target=_heartbeat, args=(ctx, addresses.detokenizer), daemon=True).start()
+    # through the tokenize thread, which checks prompts against it, to the API server
+    to_tokenize = connect_push(ctx, addresses.tokenizer)
+    send(to_tokenize, Ready(layout.max_seq_len, layout.vocab_size))
+    threading.Thread(
+        target=_heartbeat, args=(worker, ctx, addresses.detokenizer), daemon=True
+    ).start()
     while True:
-        messages = recv_all(inbox, timeout_ms=0 if worker.scheduler.has_work else None)
+        worker.last_turn = time.monotonic()
+        busy = worker.scheduler.has_work
+        messages = recv_all(inbox, timeout_ms=0 if busy else IDLE_TURN_MS)
+        if not messages and not busy:  # idle: the loop only shows that it turns
+            continue
         for follower in followers:
             send(follower, messages)
         out = worker.step(messages)
@@ -149,12 +157,12 @@ def _serve_primary(worker: SchedulerWorker, addresses: Addresses) -> None:
             send(outbox, out)
 
 
-def _heartbeat(ctx: zmq.Context, address: str) -> None:
-    """Tell the server this process is alive, however long a step takes (its own socket: a ZMQ
-    socket belongs to one thread)."""
+def _heartbeat(worker: SchedulerWorker, ctx: zmq.Context, address: str) -> None:
+    """Tell the server this process is alive and how long ago its loop last turned, however
+    long a step takes (a socket of its own: a ZMQ socket belongs to one thread)."""
     sock = connect_push(ctx, address)
     while True:
-        send(sock, Heartbeat())
+        send(sock, Heartbeat(time.monotonic() - worker.last_turn))
         time.sleep(HEARTBEAT_INTERVAL_S)
 
 

@@ -11,12 +11,9 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
-import orjson
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -30,14 +27,10 @@ from .errors import ApiError
 from .generation import generate
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, choice_params, parse_body
-from .responses import ChatFormat, CompletionFormat
+from .responses import ChatFormat, CompletionFormat, json_response
 
 # routes open without the API key: what load balancers and monitoring probe
 _OPEN_ROUTES = ("/health", "/metrics")
-
-
-def json_response(body: dict[str, Any], status: int = 200, headers: Any = None) -> Response:
-    return Response(orjson.dumps(body), status, headers, media_type="application/json")
 
 
 def _error_response(e: ApiError) -> Response:
@@ -48,11 +41,17 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     """The app; on SIGTERM it drains, then calls `exit` (which stops the HTTP server)."""
 
     async def drain() -> None:
-        client.draining = True
         await client.wait_idle(args.shutdown_timeout)
-        client.interrupt_all(503, "the server is shutting down")
+        client.interrupt_all("the server is shutting down")
         await asyncio.sleep(0.1)  # the handlers answer their requests
         exit()
+
+    def on_sigterm() -> None:
+        if not client.draining:  # a second SIGTERM changes nothing
+            client.draining = True
+            drains.append(asyncio.get_running_loop().create_task(drain()))
+
+    drains: list[asyncio.Task[None]] = []  # held: a task nobody holds may be collected
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,7 +60,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         # installed after uvicorn's own handlers (the lifespan starts inside uvicorn's serve):
         # SIGTERM, from the launcher, drains instead of stopping at once; a terminal's Ctrl-C
         # reaches the launcher too, which stops the processes in order
-        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(drain()))
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
         loop.add_signal_handler(signal.SIGINT, lambda: None)
         yield
         listener.cancel()
@@ -76,10 +75,6 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:  # 404, 405, ...
         return _error_response(ApiError(e.status_code, str(e.detail), headers=e.headers))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, e: RequestValidationError) -> Response:
-        return _error_response(ApiError(400, str(e.errors())))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> Response:
@@ -113,7 +108,9 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if client.healthy(args.health_timeout) else 503)
+        if not client.healthy(args.health_timeout):
+            raise ApiError(503, "the engine is not serving: starting, stopping or unresponsive")
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -136,7 +133,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         check_model(body.model)
         engine_limits()
         prompts, params = body.prompts(), body.sampling_params()
-        args.limits.check(body.n, len(prompts), body.stop)
+        args.limits.check(body.n, len(prompts), params.stop)
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(client.new_rids(len(prompts) * body.n), choices, prompts)
         return await generate(
@@ -150,7 +147,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         body = parse_body(await read_body(request), ChatCompletionRequest)
         check_model(body.model)
         params = body.sampling_params(engine_limits().max_seq_len)
-        args.limits.check(body.n, 1, body.stop)
+        args.limits.check(body.n, 1, params.stop)
         messages = [m.as_template_input() for m in body.messages]
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(client.new_rids(body.n), choices, messages=messages)
@@ -206,7 +203,7 @@ def run_api_server(args: ServerArgs, addresses: Addresses) -> None:
         http=_IdleTimeoutProtocol,
         log_level="warning" if args.shell else args.log_level,
         access_log=not args.shell,
-        timeout_keep_alive=max(1, round(args.timeout_keep_alive)),
+        timeout_keep_alive=args.timeout_keep_alive,
         timeout_graceful_shutdown=1,
     )
     logging.getLogger("uvicorn.access").addFilter(_NoHealthLines())  # after uvicorn's own set-up

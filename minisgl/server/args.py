@@ -21,7 +21,7 @@ class ServerArgs:
     request_timeout: float | None = None  # seconds a request may run; None: no limit
     shutdown_timeout: float = 10.0  # seconds running requests may finish after SIGTERM
     health_timeout: float = 20.0  # /health fails once the scheduler was silent this long
-    timeout_keep_alive: float = 5.0  # seconds an idle HTTP connection stays open
+    timeout_keep_alive: int = 5  # seconds an idle HTTP connection stays open
     log_level: str = "info"
 
     def __post_init__(self) -> None:

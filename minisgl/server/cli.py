@@ -11,7 +11,7 @@ import dataclasses
 import importlib.metadata
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "/health answers 503 once the engine has sent no heartbeat for this many seconds",
         type=float,
     )
-    option("--timeout-keep-alive", "seconds an idle HTTP connection stays open", type=float)
+    option("--timeout-keep-alive", "seconds an idle HTTP connection stays open", type=int)
     option("--log-level", "logging level", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--shell",
@@ -189,8 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
-    """The server's settings from the command line; raises ValueError for a bad value."""
+def parse_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.environ
+) -> ServerArgs:
+    """The server's settings from the command line (and the API key from the environment);
+    raises ValueError for a bad value."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # `minisgl serve MODEL`, as `vllm serve`
         argv = argv[1:]
@@ -206,7 +209,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         engine=EngineConfig(model_path=path, **_given(ns, EngineConfig)),
         scheduler=SchedulerConfig(**_given(ns, SchedulerConfig)),
         served_model_name=ns["served_model_name"] or model or path.name,
-        api_key=ns["api_key"] or os.environ.get(API_KEY_ENV),
+        api_key=ns["api_key"] or environ.get(API_KEY_ENV),
         shell=ns["shell"],
         chat_template=chat_template,
         limits=RequestLimits(**_given(ns, RequestLimits)),

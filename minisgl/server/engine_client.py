@@ -43,9 +43,8 @@ class Delta:
 
 @dataclass
 class Interrupted:
-    """The server stopped the request before it ended (shutdown, timeout): answer with this."""
+    """The server is shutting down: the request is answered with a 503 before it ended."""
 
-    status: int
     message: str
 
 
@@ -86,7 +85,8 @@ class EngineClient:
     ) -> None:
         self.metrics = metrics
         self.limits: Ready | None = None  # set when the engine is ready
-        self.last_heartbeat = 0.0
+        self._last_heartbeat = 0.0
+        self._loop_age = 0.0  # the scheduler loop's, as the last heartbeat said
         self.draining = False  # shutting down: no new requests
         self._max_queued = max_queued
         self._num_queued = 0  # submitted requests without a first token yet
@@ -128,24 +128,27 @@ class EngineClient:
             group.unfinished.clear()
         self._release(group)
 
-    def interrupt_all(self, status: int, message: str) -> None:
+    def interrupt_all(self, message: str) -> None:
         """End every open request with Interrupted (their handlers answer it) and abort them."""
         for group in list(self._groups):
             for rid in group.unfinished:
-                group.queue.put_nowait((self._routes[rid].index, Interrupted(status, message)))
+                group.queue.put_nowait((self._routes[rid].index, Interrupted(message)))
             self.abort(group)
 
     async def wait_idle(self, timeout: float) -> None:
         """Until no request is open, or `timeout` seconds."""
         if self._groups:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from Python 3.11 on
                 await asyncio.wait_for(self._idle.wait(), timeout)
 
-    def healthy(self, heartbeat_timeout: float) -> bool:
+    def healthy(self, timeout: float) -> bool:
+        """Ready, not draining, and the scheduler heard from and its loop turning within
+        `timeout` seconds (a step that long shows as unhealthy)."""
         return (
             self.limits is not None
             and not self.draining
-            and time.monotonic() - self.last_heartbeat < heartbeat_timeout
+            and time.monotonic() - self._last_heartbeat < timeout
+            and self._loop_age < timeout
         )
 
     def _release(self, group: ReqGroup) -> None:
@@ -159,9 +162,9 @@ class EngineClient:
         while True:
             msg = decode(await self._inbox.recv())
             if isinstance(msg, Heartbeat):
-                self.last_heartbeat = time.monotonic()
+                self._last_heartbeat, self._loop_age = time.monotonic(), msg.loop_age
             elif isinstance(msg, Ready):
-                self.limits, self.last_heartbeat = msg, time.monotonic()
+                self.limits, self._last_heartbeat = msg, time.monotonic()
             else:
                 assert isinstance(msg, TextOutputs)
                 self._on_outputs(msg)

@@ -12,17 +12,17 @@ from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
 from minisgl.messages import Finished, ReqError, TokenizeRequest
 
 from .engine_client import Delta, EngineClient, Interrupted, Item, ReqGroup
 from .errors import ApiError
-from .responses import Choice, ResponseFormat, usage
+from .responses import Choice, ResponseFormat, json_response, usage
 
 T = TypeVar("T")
-Batch = list[tuple[int, Item]]
+Items = list[tuple[int, Item]]
 
 
 async def generate(
@@ -37,34 +37,44 @@ async def generate(
     include_usage: bool,
     timeout: float | None,
 ) -> Response:
-    """Run `tokenize`'s requests (n consecutive ones per prompt) and answer with one response."""
+    """Run `tokenize`'s requests (n consecutive ones per prompt) and answer with one response.
+    Its first items come before anything is answered: a request the engine refused (they are
+    admitted all or none) still gets its 400."""
     group = client.submit(tokenize)
     run = _Run(client, group, fmt, model, n, want_logprobs, timeout)
+    streaming = False
     try:
-        first = await _until_disconnected(request, run.started())
-    except BaseException:
-        client.abort(group)
-        raise
-    if stream:
-        return StreamingResponse(run.stream(first, include_usage), media_type="text/event-stream")
-    try:
-        return JSONResponse(await _until_disconnected(request, run.collect(first)))
+        first = await _until_disconnected(request, run.next_items())
+        if stream:
+            streaming = True  # the stream aborts what is left of the group when it ends
+            return StreamingResponse(
+                run.stream(first, include_usage), media_type="text/event-stream"
+            )
+        return json_response(await _until_disconnected(request, run.collect(first)))
+    except _ClientGone:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     finally:
-        client.abort(group)  # a no-op unless the request was cut short
+        if not streaming:
+            client.abort(group)  # a no-op unless the request was cut short
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result; cancels it (CancelledError) if the client disconnects first. Streaming
-    responses need no watcher: Starlette cancels a stream whose client went away."""
+    """`work`'s result; raises _ClientGone, and cancels it, if the client disconnects first.
+    Streaming responses need no watcher: Starlette cancels a stream whose client went away."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
+        finished = task.done()
+    finally:  # also when this coroutine is cancelled: neither outlives it
         task.cancel()
-        raise asyncio.CancelledError("the client disconnected")
+        watcher.cancel()
+    if not finished:
+        raise _ClientGone
     return task.result()
 
 
@@ -92,12 +102,12 @@ class _Run:
         self.choices = [Choice() for _ in group.rids]
         self._batches = group.batches()
 
-    async def _next(self) -> Batch:
+    async def next_items(self) -> Items:
         """The next items; raises ApiError for an error or an interruption, and at the deadline."""
         left = None if self.deadline is None else self.deadline - time.monotonic()
         try:
             batch = await asyncio.wait_for(anext(self._batches), left)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
             self.client.abort(self.group)
             raise ApiError(
                 408, "the request took longer than the server's --request-timeout"
@@ -106,21 +116,10 @@ class _Run:
             if isinstance(item, ReqError):
                 raise ApiError(400, item.message)
             if isinstance(item, Interrupted):
-                raise ApiError(item.status, item.message)
+                raise ApiError(503, item.message)
         return batch
 
-    async def started(self) -> Batch:
-        """Items until every request has started (its first item), so that a request rejected
-        by the tokenizer or the scheduler is answered with an error before anything is sent."""
-        items: Batch = []
-        started: set[int] = set()
-        while len(started) < len(self.choices):
-            batch = await self._next()
-            items += batch
-            started.update(index for index, _ in batch)
-        return items
-
-    def _apply(self, batch: Batch) -> dict[int, Choice]:
+    def _apply(self, batch: Items) -> dict[int, Choice]:
         """Add the items to the choices; returns what each choice got, merged per choice."""
         pieces: dict[int, Choice] = {}
         for index, item in batch:
@@ -136,17 +135,17 @@ class _Run:
     def _ended(self) -> bool:
         return all(c.end is not None for c in self.choices)
 
-    async def collect(self, first: Batch) -> dict[str, Any]:
+    async def collect(self, first: Items) -> dict[str, Any]:
         self._apply(first)
         while not self._ended():
-            self._apply(await self._next())
+            self._apply(await self.next_items())
         choices = [
             self.fmt.choice(i, c, 0, self.want_logprobs, delta=False, first=True)
             for i, c in enumerate(self.choices)
         ]
         return {**self._envelope(choices, chunk=False), "usage": usage(self.choices, self.n)}
 
-    async def stream(self, first: Batch, include_usage: bool) -> AsyncIterator[bytes]:
+    async def stream(self, first: Items, include_usage: bool) -> AsyncIterator[bytes]:
         """Server-sent events, one per choice for all it got since the last; a client that goes
         away cancels this, which aborts its requests. An error after the start is an error
         event, then [DONE]."""
@@ -165,7 +164,7 @@ class _Run:
                         yield _event(self._envelope([data], chunk=True))
                 if self._ended():
                     break
-                batch = await self._next()
+                batch = await self.next_items()
             if include_usage:
                 yield _event(
                     {**self._envelope([], chunk=True), "usage": usage(self.choices, self.n)}

@@ -19,6 +19,7 @@ import resource
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import urllib.error
@@ -28,6 +29,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
+from minisgl.config import ConfigError
 from minisgl.messages import Addresses
 
 from .args import ServerArgs
@@ -41,26 +43,31 @@ class _Stop(Exception):
     """Raised in the launcher by SIGTERM or SIGHUP (SIGINT raises KeyboardInterrupt)."""
 
 
-def _child_main(name: str, target: str, *args: Any) -> None:
+def _child_main(name: str, launcher: int, target: str, *args: Any) -> None:
     """Every child: named `name` in `ps` and /proc (comm), ignoring the terminal's Ctrl-C and
     hang-up (the launcher stops the children), dying with the launcher even if it is killed
     outright; then the entry point `target` ("module:function"). A bad setting only the child
-    can find (ValueError) ends it with one line, not a traceback."""
+    can find (ConfigError) ends it with one line; an error in any of its threads ends it."""
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     if sys.platform == "linux":
         libc = ctypes.CDLL(None)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         libc.prctl(_PR_SET_NAME, name.encode()[:15])
+        if os.getppid() != launcher:  # the launcher died before the line above took effect
+            os._exit(1)
+    threading.excepthook = _exit_on_thread_error  # a dead thread must not leave a live process
     module, _, function = target.partition(":")
     try:
         getattr(importlib.import_module(module), function)(*args)
-    except ValueError as e:
+    except ConfigError as e:
         print(f"minisgl: {name}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+
+
+def _exit_on_thread_error(args: threading.ExceptHookArgs) -> None:
+    traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback)
+    os._exit(1)
 
 
 def _raise_open_file_limit() -> None:
@@ -103,7 +110,10 @@ def _start(args: ServerArgs, addresses: Addresses, procs: list[BaseProcess]) -> 
     children.append(("api-server", "minisgl.server.api_server:run_api_server", (args, addresses)))
     for name, target, target_args in children:
         proc = ctx.Process(
-            target=_child_main, args=(name, target, *target_args), name=name, daemon=True
+            target=_child_main,
+            args=(name, os.getpid(), target, *target_args),
+            name=name,
+            daemon=True,
         )
         proc.start()
         procs.append(proc)

@@ -18,13 +18,13 @@ class RequestLimits:
     max_queued_requests: int | None = None  # engine requests waiting for a first token
 
     def __post_init__(self) -> None:
-        check_positive(self, "max_n", "max_prompts", "max_request_bytes", "max_stop_strings")
-        check_positive(self, "max_stop_length")
+        check_positive(
+            self, "max_n", "max_prompts", "max_request_bytes", "max_stop_strings", "max_stop_length"
+        )
         check_positive(self, "max_queued_requests", optional=True)
 
-    def check(self, n: int, num_prompts: int, stop: str | list[str] | None) -> None:
+    def check(self, n: int, num_prompts: int, stops: tuple[str, ...]) -> None:
         """Raise ApiError(400) for a request over a limit."""
-        stops = [stop] if isinstance(stop, str) else stop or []
         for ok, message in (
             (n <= self.max_n, f"n must be at most {self.max_n}"),
             (num_prompts <= self.max_prompts, f"at most {self.max_prompts} prompts per request"),

@@ -5,7 +5,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+from starlette.responses import Response
+
 from minisgl.messages import Finished, TextLogprobs
+
+
+def json_response(body: dict[str, Any], status: int = 200, headers: Any = None) -> Response:
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
 
 
 @dataclass

@@ -7,12 +7,14 @@ from pathlib import Path
 import jinja2
 from transformers import PreTrainedTokenizerFast
 
+from minisgl.config import ConfigError
+
 Tokenizer = PreTrainedTokenizerFast
 
 
 def load_tokenizer(model_path: Path) -> Tokenizer:
     if not (model_path / "tokenizer.json").is_file():
-        raise ValueError(f"{model_path} has no tokenizer.json (a fast tokenizer is required)")
+        raise ConfigError(f"{model_path} has no tokenizer.json (a fast tokenizer is required)")
     return PreTrainedTokenizerFast.from_pretrained(str(model_path))
 
 

@@ -4,9 +4,10 @@ Two threads, each with its own tokenizer and its own sockets, so that a long pro
 tokenized never holds back the text of running requests (the tokenizers library releases the GIL
 while it encodes):
 
-    API server ─▶ [tokenize thread]   ─AddRequests, AbortRequest─▶ scheduler
+    API server ◀▶ [tokenize thread]   ─AddRequests, AbortRequest─▶ scheduler
+                        │      ▲ Ready (then forwarded to the API server)
                         │ each new request's detokenizer, before the scheduler has it
-    API server ◀─ [detokenize thread] ◀─StepOutputs, Ready, Heartbeat── scheduler
+    API server ◀─ [detokenize thread] ◀─StepOutputs, Heartbeat── scheduler
                         └─ AbortRequest (a stop string matched) ─▶ scheduler
 
 Prompts that cannot be served are answered with an error here, before they reach the scheduler.
@@ -158,8 +159,9 @@ def run_tokenizer(model_path: Path, addresses: Addresses, chat_template: str | N
             if isinstance(msg, TokenizeRequest):
                 result = tokenize(msg)
                 send(to_scheduler if isinstance(result, AddRequests) else to_api, result)
-            elif isinstance(msg, Ready):
+            elif isinstance(msg, Ready):  # then the API server admits requests
                 tokenize.limits = msg
+                send(to_api, msg)
             else:
                 assert isinstance(msg, AbortRequest)
                 # the detokenizer goes with the scheduler's end of the request, like any other
@@ -178,5 +180,5 @@ def _detokenize_loop(
                 if to_stop:
                     send(to_scheduler, AbortRequest(to_stop))
             else:
-                assert isinstance(msg, Ready | Heartbeat)
+                assert isinstance(msg, Heartbeat)
                 send(to_api, msg)

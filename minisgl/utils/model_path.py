@@ -1,6 +1,8 @@
 import json
 from pathlib import Path
 
+from minisgl.config import ConfigError
+
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent / "assets" / "stories260K"
 
 
@@ -8,7 +10,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
     """A local model directory; None means the embedded stories260K model."""
     path = DEFAULT_MODEL_PATH if model is None else Path(model).expanduser()
     if not (path / "config.json").is_file():
-        raise ValueError(
+        raise ConfigError(
             f"{path} is not a model directory (no config.json); no download is attempted"
         )
     return path

@@ -2,6 +2,8 @@ import importlib
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from minisgl.config import ConfigError
+
 T = TypeVar("T")
 
 
@@ -23,7 +25,7 @@ class Registry(Generic[T]):
         self, name: str, target: str, runs_on: Callable[[str], bool] | None = None
     ) -> None:
         if name in self._targets or name == "auto":
-            raise ValueError(f"{self.kind} {name!r} registered twice")
+            raise ConfigError(f"{self.kind} {name!r} registered twice")
         self._targets[name] = target
         if runs_on is not None:
             self._runs_on[name] = runs_on
@@ -33,23 +35,22 @@ class Registry(Generic[T]):
         return (["auto"] if self._auto else []) + sorted(self._targets)
 
     def resolve(self, name: str, device_type: str) -> str:
-        """The entry `name` stands for on `device_type`; raises ValueError if there is none."""
+        """The entry `name` stands for on `device_type`; raises ConfigError if there is none."""
         if name == "auto" and device_type in self._auto:
             name = self._auto[device_type]
-        if name not in self._targets:
-            raise ValueError(
-                f"unknown {self.kind} {name!r}; supported: {', '.join(self.choices())}"
-            )
+        self._target(name)
         runs_on = self._runs_on.get(name)
         if runs_on is not None and not runs_on(device_type):
-            raise ValueError(f"the {name} {self.kind} does not run on {device_type}")
+            raise ConfigError(f"the {name} {self.kind} does not run on {device_type}")
         return name
 
     def get(self, name: str) -> Callable[..., T]:
         """The factory registered as `name` (resolve "auto" and check the device first)."""
-        if name not in self._targets:
-            raise ValueError(
-                f"unknown {self.kind} {name!r}; supported: {', '.join(self.choices())}"
-            )
-        module, _, attribute = self._targets[name].partition(":")
+        module, _, attribute = self._target(name).partition(":")
         return getattr(importlib.import_module(module), attribute)
+
+    def _target(self, name: str) -> str:
+        if name not in self._targets:
+            choices = ", ".join(self.choices())
+            raise ConfigError(f"unknown {self.kind} {name!r}; supported: {choices}")
+        return self._targets[name]

@@ -4,6 +4,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from minisgl.config import ConfigError
+
 
 @contextmanager
 def torch_dtype(dtype: torch.dtype) -> Iterator[None]:
@@ -36,7 +38,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; supported: auto, {', '.join(_DTYPES)}")
+        raise ConfigError(f"unknown dtype {dtype!r}; supported: auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
 
 
