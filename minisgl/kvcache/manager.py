@@ -68,14 +68,7 @@ class KVCacheManager:
     def reserve(self, slot: int, new_len: int) -> bool:
         """Make the slot's pages cover positions [0, new_len), evicting cached prefixes if needed.
         Allocates nothing and returns False when there are not enough pages."""
-        need = self.pages_needed(slot, new_len)
-        if need > self.available_pages:
-            return False
-        short = need - self.allocator.num_free
-        if short > 0:
-            self.allocator.free(self.prefix_cache.evict(short))
-        self._assign(slot, self.allocator.alloc(need))
-        return True
+        return self.reserve_all([(slot, new_len)])
 
     def reserve_all(self, slot_lens: list[tuple[int, int]]) -> bool:
         """reserve() for many (slot, new_len) at once, all or nothing: the decode fast path."""

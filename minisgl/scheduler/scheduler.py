@@ -28,7 +28,6 @@ from minisgl.messages import Finished, StepOutputs, TokenLogprobs
 from minisgl.utils import init_logger
 
 from .batch_builder import build_batch
-from .stop import StopChecker
 from .token_table import TokenTable
 
 logger = init_logger(__name__)
@@ -55,7 +54,7 @@ class Scheduler:
             layout.num_pages, layout.page_size, layout.page_table_width, config.cache
         )
         self.tokens = TokenTable(layout)
-        self.stop_checker = StopChecker(eos_ids, layout.max_seq_len)
+        self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted requests, oldest first
         self.stats = SchedulerStats()
@@ -137,10 +136,25 @@ class Scheduler:
             out.token_ids.append(tokens[i])
             if out.logprobs is not None:
                 out.logprobs.append(_logprobs(host, i, req.params.logprobs))
-            finish = self.stop_checker.check(req)
+            finish = self._token_finish(req)
             if finish is not None:
                 out.finished.append(self._finish(req, *finish))
         return out
+
+    def _token_finish(self, req: Req) -> tuple[FinishReason, int | None] | None:
+        """(reason, the stop token) if the token just appended ends `req`: an eos or stop token,
+        max_tokens, the end of the context. Stop strings are matched where the text is decoded
+        (the detokenizer), which then aborts the request here."""
+        token, params = req.token_ids[-1], req.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+            return "stop", token
+        # the tokens the host has seen (an in-flight step may have sampled one more already)
+        if (
+            req.num_output_tokens >= params.max_tokens
+            or len(req.token_ids) >= self.layout.max_seq_len
+        ):
+            return "length", None
+        return None
 
     # ------------------------------------------------------------------ scheduling
     def _wants_token(self, req: Req) -> bool:
