@@ -39,7 +39,7 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0: off; above the vocabulary: off
     top_p: float = 1.0
     min_p: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context
     ignore_eos: bool = False
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
@@ -58,7 +58,10 @@ class SamplingParams:
         )
         check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
         check(_is_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
-        check(_is_int64(self.max_tokens) and self.max_tokens >= 1, "max_tokens must be >= 1")
+        check(
+            self.max_tokens is None or (_is_int64(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens must be >= 1",
+        )
         check(self.seed is None or _is_int64(self.seed), "seed must be a 64-bit integer")
         check(
             self.logprobs is None
@@ -101,15 +104,24 @@ def _is_unicode(s: str) -> bool:
     return True
 
 
-def check_prompt(prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int) -> None:
+def check_prompt(
+    prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int, max_tokens: int | None = None
+) -> None:
     """Raise ValueError unless the prompt can be served: non-empty, known token ids, and room in
-    the context for at least one generated token."""
+    the context for at least one generated token, or for max_tokens of them when it is given."""
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty")
     if len(prompt_ids) >= max_seq_len:
         raise ValueError(
             f"this model's maximum context length is {max_seq_len} tokens; the prompt has "
             f"{len(prompt_ids)}, leaving no room for a generated token"
+        )
+    if max_tokens is not None and len(prompt_ids) + max_tokens > max_seq_len:
+        raise ValueError(  # vLLM's words
+            f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion."
         )
     # the common case in C loops: a Python loop over every id held the GPU idle for ~12 ms at
     # the start of the offline benchmark (256 prompts, 143k ids)

@@ -22,7 +22,7 @@ from minisgl.engine.engine import Engine
 from minisgl.messages import Finished, StepOutputs
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
-from minisgl.tokenizer.loader import load_tokenizer
+from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 from minisgl.utils import load_eos_token_ids, resolve_model_path
 
 Prompt = str | list[int]
@@ -94,6 +94,18 @@ class LLM:
                     runs[rid].finish(finish, now)
                 bar.update(sum(f.rid in runs for f in out.finished) + len(stopped))
         return [runs[rid].result for rid in rids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        """`generate` on one conversation (or a list of them) rendered with the model's chat
+        template, as the server's /v1/chat/completions renders it."""
+        chats = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [prompt_ids(self.tokenizer, None, chat) for chat in chats]  # type: ignore[arg-type]
+        return self.generate(ids, sampling_params, use_tqdm)
 
     @staticmethod
     def _apply(out: StepOutputs, runs: dict[int, "_Run"], now: float) -> list[int]:

@@ -56,6 +56,27 @@ class AbortRequest:
     rids: list[int]
 
 
+@_wire
+@dataclass
+class TokenizerQuery:
+    """/tokenize (a text, or a chat through the template) or /detokenize (ids), answered by the
+    tokenize thread with a TokenizerAnswer of the same qid."""
+
+    qid: int
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    ids: list[int] | None = None
+
+
+@_wire
+@dataclass
+class TokenizerAnswer:
+    qid: int
+    ids: list[int] | None = None
+    text: str | None = None
+    error: str | None = None
+
+
 # ---------------------------------------------------------------------- tokenizer -> scheduler
 @_wire
 @dataclass

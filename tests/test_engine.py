@@ -224,10 +224,11 @@ def test_max_running_requests_bounds_the_batch(model_path, workload, reference) 
 def test_generation_stops_at_the_context_length(model_path) -> None:
     llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=64, max_model_len=64)
     assert llm.engine.max_seq_len == 64
-    out = llm.generate(
-        [[5] * 60], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
-    )
+    rest = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # the whole context
+    out = llm.generate([[5] * 60], rest, use_tqdm=False)
     assert out[0]["finish_reason"] == "length" and len(out[0]["token_ids"]) == 4
+    with pytest.raises(ValueError, match=r"you requested 160 tokens \(60 in the messages, 100 in"):
+        llm.generate([[5] * 60], SamplingParams(max_tokens=100), use_tqdm=False)
 
 
 def test_abort_frees_the_request(model_path) -> None:
@@ -446,3 +447,16 @@ def test_the_warm_up_prefills_leave_requests_and_pages_untouched(model_path) -> 
         tokens += [t for _, t in step_tokens(scheduler)]
     assert tokens == expected
     scheduler.check_integrity()
+
+
+def test_chat_renders_the_template_as_the_server_does() -> None:
+    llm = LLM(device=DEVICE, dtype="float32", max_kv_tokens=4096)
+    chat = [{"role": "user", "content": "Once upon a time"}]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ids = llm.tokenizer.encode(
+        llm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    want = llm.generate([ids], params, use_tqdm=False)[0]
+    assert llm.chat(chat, params, use_tqdm=False)[0]["token_ids"] == want["token_ids"]
+    assert len(llm.chat([chat, chat], params, use_tqdm=False)) == 2

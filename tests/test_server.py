@@ -288,7 +288,7 @@ _KILLED_CLIENT = textwrap.dedent(
     """
     import sys, httpx
     url, key = sys.argv[1], sys.argv[2]
-    body = {"prompt": "Once", "max_tokens": 100000, "stream": True, "ignore_eos": True}
+    body = {"prompt": "Once", "max_tokens": 2000, "stream": True, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
         for line in r.iter_lines():
@@ -361,3 +361,48 @@ def test_a_stop_string_in_the_first_token_ends_the_reply_there(server: ServerPro
         assert chunks[-1].choices[0].finish_reason == "stop"
     done = server.client().completions.create(stop=" was", **kwargs)
     assert done.choices[0].text == " there" and done.usage.completion_tokens == 2
+
+
+def test_a_max_tokens_that_cannot_fit_is_a_400_with_the_numbers(server: ServerProcess) -> None:
+    """The embedded model's context is 2,048 tokens: an explicit max_tokens past it is refused
+    with vLLM's words, for completions and chat alike; omitted, chat's runs to the end."""
+    prompt_tokens = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    n = prompt_tokens.usage.prompt_tokens
+    for route, body in (
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100000}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                  "max_completion_tokens": 100000}),
+    ):  # fmt: skip
+        response = server.post(route, json={"model": MODEL, **body})
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert "maximum context length is 2048 tokens. However, you requested" in message
+    fits = server.post(
+        "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2048 - n}
+    )
+    assert fits.status_code == 200
+
+
+def test_tokenize_detokenize_version_and_a_model_by_id(server: ServerProcess, llm: LLM) -> None:
+    post = lambda path, body: server.post(path, json=body)
+    ids = llm.tokenizer.encode(PROMPT)
+    got = post("/tokenize", {"model": MODEL, "prompt": PROMPT}).json()
+    assert got == {"count": len(ids), "max_model_len": 2048, "tokens": ids}
+    chat = post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["tokens"] == llm.tokenizer.encode(
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )
+    assert post("/detokenize", {"tokens": ids}).json() == {"prompt": llm.tokenizer.decode(ids)}
+    assert post("/detokenize", {"tokens": [10**6]}).status_code == 400
+    assert post("/tokenize", {"prompt": "x", "messages": []}).status_code == 400
+    headers = server.headers
+    assert httpx.get(server.url + "/version", headers=headers).json()["version"]
+    card = httpx.get(server.url + f"/v1/models/{MODEL}", headers=headers).json()
+    assert card["id"] == MODEL and card["max_model_len"] == 2048
+    missing = httpx.get(server.url + "/v1/models/gpt-5", headers=headers)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    responses = server.post("/v1/responses", json={"model": MODEL, "input": "Hi"})
+    assert responses.status_code == 404 and "error" in responses.json()

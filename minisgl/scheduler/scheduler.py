@@ -69,7 +69,9 @@ class Scheduler:
         for rid, prompt_ids, params in requests:
             if not isinstance(params, SamplingParams):
                 raise ValueError("sampling params must be a SamplingParams")
-            check_prompt(prompt_ids, self.layout.max_seq_len, self.layout.vocab_size)
+            check_prompt(
+                prompt_ids, self.layout.max_seq_len, self.layout.vocab_size, params.max_tokens
+            )
             if rid in self._reqs or rid in rids:
                 raise ValueError(f"request id {rid} is already in use")
             rids.add(rid)
@@ -150,7 +152,7 @@ class Scheduler:
             return "stop", token
         # the tokens the host has seen (an in-flight step may have sampled one more already)
         if (
-            req.num_output_tokens >= params.max_tokens
+            req.num_output_tokens == params.max_tokens
             or len(req.token_ids) >= self.layout.max_seq_len
         ):
             return "length", None
@@ -158,7 +160,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def _wants_token(self, req: Req) -> bool:
-        return req.num_sampled < req.params.max_tokens and req.device_len < self.layout.max_seq_len
+        max_tokens = req.params.max_tokens
+        return (max_tokens is None or req.num_sampled < max_tokens) and (
+            req.device_len < self.layout.max_seq_len
+        )
 
     def _schedule(self) -> Batch | None:
         picked: list[tuple[Req, int]] = []

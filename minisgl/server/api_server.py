@@ -5,12 +5,14 @@ On SIGTERM it drains: new requests get 503, running ones may finish within --shu
 then each is answered with a 503 (a stream: an error event) and the process exits."""
 
 import asyncio
+import importlib.metadata
 import logging
 import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -19,14 +21,21 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from minisgl.messages import Addresses, Ready, TokenizeRequest
+from minisgl.messages import Addresses, Ready, TokenizerAnswer, TokenizeRequest, TokenizerQuery
 
 from .args import ServerArgs
 from .engine_client import EngineClient
 from .errors import ApiError
 from .generation import generate
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, choice_params, parse_body
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeBody,
+    TokenizeBody,
+    choice_params,
+    parse_body,
+)
 from .responses import ChatFormat, CompletionFormat, json_response
 
 # routes open without the API key: what load balancers and monitoring probe
@@ -116,16 +125,55 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     async def metrics() -> Response:
         return Response(client.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": args.served_model_name,
             "object": "model",
             "created": created,
             "owned_by": "minisgl",
             "max_model_len": engine_limits().max_seq_len,
         }
-        return json_response({"object": "list", "data": [card]})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model_by_id(model: str) -> Response:
+        check_model(model)
+        return json_response(model_card())
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": importlib.metadata.version("minisgl")})
+
+    async def ask(query: TokenizerQuery) -> TokenizerAnswer:
+        answer = await client.ask(query)
+        if answer.error is not None:
+            raise ApiError(400, answer.error)
+        return answer
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's shape; answered by the tokenizer process, as the prompts of requests are."""
+        body = parse_body(await read_body(request), TokenizeBody)
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give a prompt or messages")
+        messages = None if body.messages is None else [m.as_template_input() for m in body.messages]
+        query = TokenizerQuery(client.new_rids(1)[0], body.prompt, messages)
+        ids = (await ask(query)).ids
+        assert ids is not None
+        limit = engine_limits().max_seq_len
+        return json_response({"count": len(ids), "max_model_len": limit, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = parse_body(await read_body(request), DetokenizeBody)
+        check_model(body.model)
+        engine_limits()
+        answer = await ask(TokenizerQuery(client.new_rids(1)[0], ids=body.tokens))
+        return json_response({"prompt": answer.text})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -146,7 +194,8 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await read_body(request), ChatCompletionRequest)
         check_model(body.model)
-        params = body.sampling_params(engine_limits().max_seq_len)
+        engine_limits()
+        params = body.sampling_params()
         args.limits.check(body.n, 1, params.stop)
         messages = [m.as_template_input() for m in body.messages]
         choices = choice_params(params, body.n)

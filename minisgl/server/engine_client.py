@@ -21,7 +21,9 @@ from minisgl.messages import (
     ReqError,
     TextLogprobs,
     TextOutputs,
+    TokenizerAnswer,
     TokenizeRequest,
+    TokenizerQuery,
     bind_pull,
     connect_push,
     decode,
@@ -93,6 +95,7 @@ class EngineClient:
         self._to_tokenizer = connect_push(zmq.Context(), addresses.tokenizer)
         self._inbox = bind_pull(zmq.asyncio.Context(), addresses.api)
         self._routes: dict[int, _Route] = {}
+        self._queries: dict[int, asyncio.Future[TokenizerAnswer]] = {}
         self._groups: set[ReqGroup] = set()
         self._rids = itertools.count()
         self._idle = asyncio.Event()
@@ -118,6 +121,16 @@ class EngineClient:
         self._idle.clear()
         send(self._to_tokenizer, request)
         return group
+
+    async def ask(self, query: TokenizerQuery) -> TokenizerAnswer:
+        """The tokenizer's answer to a query made with `new_rids(1)[0]` as its qid."""
+        future = asyncio.get_running_loop().create_future()
+        self._queries[query.qid] = future
+        send(self._to_tokenizer, query)
+        try:
+            return await future
+        finally:
+            self._queries.pop(query.qid, None)
 
     def abort(self, group: ReqGroup) -> None:
         """Stop every request of the group that has not ended; their pages are freed."""
@@ -165,6 +178,10 @@ class EngineClient:
                 self._last_heartbeat, self._loop_age = time.monotonic(), msg.loop_age
             elif isinstance(msg, Ready):
                 self.limits, self._last_heartbeat = msg, time.monotonic()
+            elif isinstance(msg, TokenizerAnswer):
+                future = self._queries.pop(msg.qid, None)
+                if future is not None and not future.done():
+                    future.set_result(msg)
             else:
                 assert isinstance(msg, TextOutputs)
                 self._on_outputs(msg)

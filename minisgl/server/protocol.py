@@ -5,14 +5,15 @@ lone surrogates, invalid UTF-8, nesting deeper than 1,024); field types are chec
 string is not a number) and every integer must fit int64. Value rules (ranges, non-empty stop
 strings, ...) are SamplingParams' own. Fields left out keep SamplingParams' defaults, which match
 OpenAI's (temperature 1, top_p 1, max_tokens 16 for completions), except chat's max_tokens, which
-defaults to the rest of the context (as in vLLM): the request runs until the context is full.
+defaults to the rest of the context (as in vLLM): the request runs until the context is full. A
+max_tokens that cannot fit with the prompt is a 400 with the numbers, as vLLM says it.
 """
 
 from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from minisgl.core import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -23,8 +24,26 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
+# Fields that change nothing in the output (bookkeeping for OpenAI's own services): accepted and
+# dropped. Any other field a body sends and no schema below declares is refused with a 400 that
+# names it, so that no field is accepted and ignored.
+IGNORED_FIELDS = frozenset(
+    {
+        "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+        "prompt_cache_retention", "prompt_cache_options",
+    }
+)  # fmt: skip
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")  # the extra fields are checked below
+
+    @model_validator(mode="after")
+    def _refuse_unknown_fields(self) -> "_Strict":
+        unknown = sorted(set(self.model_extra or {}) - IGNORED_FIELDS)
+        if unknown:
+            raise ValueError(f"unsupported field(s): {', '.join(unknown)}")
+        return self
 
 
 Body = TypeVar("Body", bound=_Strict)
@@ -66,7 +85,6 @@ class _GenerateRequest(_Strict):
     ignore_eos: bool | None = None
     frequency_penalty: Float | None = None  # accepted only at their neutral value, 0
     presence_penalty: Float | None = None
-    user: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -131,13 +149,28 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: str | None = None  # the participant's, for the templates that write it
 
     def as_template_input(self) -> dict[str, str]:
         text = (
             self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         )
         # "developer" is OpenAI's newer name for the system role, which chat templates know
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return message if self.name is None else {**message, "name": self.name}
+
+
+class TokenizeBody(_Strict):
+    """POST /tokenize, as vLLM's: a prompt, or messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeBody(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 class ChatCompletionRequest(_GenerateRequest):
@@ -147,11 +180,15 @@ class ChatCompletionRequest(_GenerateRequest):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
 
-    def sampling_params(self, max_seq_len: int) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
+        """An omitted max_tokens means the rest of the context; a given one must fit in it (the
+        tokenizer process checks, with the prompt's length)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true")
-        max_tokens = next(
-            (m for m in (self.max_completion_tokens, self.max_tokens) if m is not None),
-            max_seq_len,
+        given = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
         )
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        params = self._params(given, (self.top_logprobs or 0) if self.logprobs else None)
+        return params if given is not None else replace(params, max_tokens=None)

@@ -30,7 +30,9 @@ from minisgl.messages import (
     StepOutputs,
     TextLogprobs,
     TextOutputs,
+    TokenizerAnswer,
     TokenizeRequest,
+    TokenizerQuery,
     TokenLogprobs,
     bind_pull,
     connect_push,
@@ -66,7 +68,12 @@ class Tokenize:
                 for prompt in request.prompts or [None]
             ]
             for ids in prompts:  # rejected here, before queuing, by the scheduler's own rule
-                check_prompt(ids, self.limits.max_seq_len, self.limits.vocab_size)
+                check_prompt(
+                    ids,
+                    self.limits.max_seq_len,
+                    self.limits.vocab_size,
+                    request.params[0].max_tokens,
+                )
         except Exception as e:  # a template or a prompt that fails in any way fails this request
             return TextOutputs(errors=[ReqError(rid, str(e)) for rid in request.rids])
         rids = [request.rids[i * choices : (i + 1) * choices] for i in range(len(prompts))]
@@ -74,6 +81,20 @@ class Tokenize:
             for rid, params in zip(prompt_rids, request.params, strict=True):
                 self._new.put((rid, ids, params.stop))
         return AddRequests(prompts, rids, [request.params] * len(prompts))
+
+    def answer(self, query: TokenizerQuery) -> TokenizerAnswer:
+        """Ids for a text or a chat, or the text of ids (special tokens included)."""
+        assert self.limits is not None, "the API server admits queries only once ready"
+        try:
+            if query.ids is None:
+                ids = prompt_ids(self.tokenizer, query.prompt, query.messages, self.chat_template)
+                return TokenizerAnswer(query.qid, ids=ids)
+            bad = [t for t in query.ids if not 0 <= t < self.limits.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary")
+            return TokenizerAnswer(query.qid, text=self.tokenizer.decode(query.ids))
+        except Exception as e:  # as a request's, a query's failure is its own
+            return TokenizerAnswer(query.qid, error=str(e))
 
 
 class Detokenize:
@@ -159,6 +180,8 @@ def run_tokenizer(model_path: Path, addresses: Addresses, chat_template: str | N
             if isinstance(msg, TokenizeRequest):
                 result = tokenize(msg)
                 send(to_scheduler if isinstance(result, AddRequests) else to_api, result)
+            elif isinstance(msg, TokenizerQuery):
+                send(to_api, tokenize.answer(msg))
             elif isinstance(msg, Ready):  # then the API server admits requests
                 tokenize.limits = msg
                 send(to_api, msg)

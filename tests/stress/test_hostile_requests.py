@@ -315,23 +315,30 @@ def test_integer_beyond_int64_is_a_400(server: ServerProcess, route: str, body: 
     assert_clean(server, before)
 
 
+def test_max_tokens_at_the_int64_bound_is_a_400_that_gives_the_context(
+    server: ServerProcess,
+) -> None:
+    body = {"model": MODEL, "prompt": [100] * 8, "max_tokens": INT64_MAX}
+    response = _post_json(server, COMPLETIONS, body)
+    assert_openai_error(response, 400)
+    assert f"maximum context length is {CONTEXT} tokens" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "body",
     [
-        {"max_tokens": INT64_MAX},
         {"seed": INT64_MAX},
         {"seed": -(2**63)},
         {"stop_token_ids": [INT64_MAX]},
         {"top_k": INT64_MAX},
     ],
-    ids=["max_tokens", "seed", "seed -2**63", "stop_token_ids", "top_k"],
+    ids=["seed", "seed -2**63", "stop_token_ids", "top_k"],
 )
 def test_integers_at_the_int64_bounds_are_served(server: ServerProcess, body: dict) -> None:
-    # 8 tokens of the context left: max_tokens of 2**63-1 ends there
+    # 8 tokens of the context left: max_tokens 8 ends there
     prompt = [100] * (CONTEXT - 8)
-    response = _post_json(
-        server, COMPLETIONS, {"model": MODEL, "prompt": prompt, "max_tokens": 8, **body}
-    )
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+    response = _post_json(server, COMPLETIONS, {**base, **body})
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 8
     assert response.json()["choices"][0]["finish_reason"] == "length"

@@ -1,0 +1,84 @@
+"""Every request field is honoured or refused with a 400 that names it: the request parameters of
+the official `openai` package's completion and chat types, and vLLM's extra fields, walked one by
+one against a real server. What each honoured field does is checked by its own tests."""
+
+import openai.types.chat.completion_create_params as chat_params
+import openai.types.completion_create_params as completion_params
+import pytest
+
+from minisgl.server.protocol import IGNORED_FIELDS
+
+from .server_process import ServerProcess
+
+MODEL = "stories"
+BASE = {
+    "/v1/completions": {"model": MODEL, "prompt": "Once", "max_tokens": 2},
+    "/v1/chat/completions": {
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+    },
+}  # fmt: skip
+# honoured, with a value that changes something
+HONOURED = {
+    "model": MODEL, "prompt": "The dog", "messages": [{"role": "user", "content": "Hello"}],
+    "max_tokens": 3, "max_completion_tokens": 3, "n": 2, "temperature": 0.5, "top_p": 0.9,
+    "stop": ["x"], "seed": 3, "stream": True, "stream_options": {"include_usage": True},
+    "top_k": 5, "min_p": 0.1, "ignore_eos": True, "stop_token_ids": [2],
+}  # fmt: skip
+# declared, but refused at any value that would change the output
+REFUSED_VALUES = {"echo": True, "frequency_penalty": 0.5, "presence_penalty": 0.5}
+# vLLM's extra request fields, none of which minisgl implements yet
+VLLM_EXTRAS = (
+    "use_beam_search", "repetition_penalty", "length_penalty", "min_tokens",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs", "bad_words", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "priority",
+    "request_id", "return_tokens_as_token_ids", "add_generation_prompt", "continue_final_message",
+    "add_special_tokens", "documents", "chat_template", "chat_template_kwargs", "logits_processors",
+    "cache_salt",
+)  # fmt: skip
+
+
+def _fields(params: type) -> list[str]:
+    return sorted(params.__annotations__) + ["stream"]
+
+
+CASES = [
+    (route, field)
+    for route, params in (
+        ("/v1/completions", completion_params.CompletionCreateParamsBase),
+        ("/v1/chat/completions", chat_params.CompletionCreateParamsBase),
+    )
+    for field in sorted({*_fields(params), *VLLM_EXTRAS})
+    if not (field == "messages" and route == "/v1/completions")
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    s = ServerProcess(tmp_path_factory.mktemp("fields"), "--served-model-name", MODEL)
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize(("route", "field"), CASES, ids=[f"{r[4:]}:{f}" for r, f in CASES])
+def test_each_field_is_honoured_or_refused_by_name(server: ServerProcess, route, field) -> None:
+    body = dict(BASE[route])
+    if field in HONOURED:
+        body[field] = HONOURED[field]
+    elif field in IGNORED_FIELDS:
+        body[field] = {"metadata": {"k": "v"}, "store": True}.get(field, "x")
+    else:
+        body[field] = REFUSED_VALUES.get(field, {"any": "value"})
+    response = server.post(route, json=body)
+    if field in HONOURED or field in IGNORED_FIELDS:
+        assert response.status_code == 200, response.text
+    else:
+        assert response.status_code == 400, (field, response.text)
+        assert field in response.json()["error"]["message"]
+
+
+def test_an_unknown_field_in_a_nested_object_is_refused_by_name(server: ServerProcess) -> None:
+    body = dict(BASE["/v1/chat/completions"])
+    body["messages"] = [{"role": "user", "content": "Hi", "tool_call_id": "1"}]
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and "tool_call_id" in response.json()["error"]["message"]
