@@ -10,6 +10,7 @@ from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.config import check_kv_capacity, max_seq_len
 from minisgl.kvcache import PREFIX_CACHES
 from minisgl.models.config import ModelConfig
+from minisgl.tokenizer.loader import check_tokenizer
 from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 
@@ -38,8 +39,7 @@ def _check_model(args: ServerArgs) -> None:
     path = engine.model_path
     if not engine.dummy_weights and not any(path.glob("*.safetensors")):
         raise ValueError(f"{path} holds no *.safetensors weights (--dummy-weights for random ones)")
-    if not (path / "tokenizer.json").is_file():
-        raise ValueError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
+    check_tokenizer(path)
     try:
         config = ModelConfig.from_hf(cached_load_hf_config(path))
     except (OSError, KeyError) as e:

@@ -12,9 +12,14 @@ from minisgl.config import ConfigError
 Tokenizer = PreTrainedTokenizerFast
 
 
-def load_tokenizer(model_path: Path) -> Tokenizer:
+def check_tokenizer(model_path: Path) -> None:
+    """Raise ConfigError unless the directory holds a fast tokenizer."""
     if not (model_path / "tokenizer.json").is_file():
         raise ConfigError(f"{model_path} has no tokenizer.json (a fast tokenizer is required)")
+
+
+def load_tokenizer(model_path: Path) -> Tokenizer:
+    check_tokenizer(model_path)
     return PreTrainedTokenizerFast.from_pretrained(str(model_path))
 
 
