@@ -16,7 +16,7 @@ without torch or numpy.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -32,8 +32,34 @@ MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output text, compiled to a grammar in the scheduler process (xgrammar).
+    Exactly one kind is set."""
+
+    json_schema: str | None = None  # a JSON schema, as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: Sequence[str] | None = None  # one of these strings
+    grammar: str | None = None  # EBNF, in xgrammar's dialect
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("a structured output's choice must be a non-empty list of strings")
+        given = [self.json_schema, self.json_object or None, self.regex, self.choice, self.grammar]
+        if sum(g is not None for g in given) != 1:
+            raise ValueError("a structured output sets exactly one of json, regex, choice, grammar")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next tokens and when to stop. Validated on creation; temperature 0 = greedy."""
+    """How to pick the next tokens and when to stop. Validated on creation; temperature 0 = greedy.
+
+    Penalties are vLLM's: presence and frequency over the output tokens (subtracted from the
+    logits, once per distinct token and once per occurrence), repetition over prompt and output
+    (positive logits divided by it, negative ones multiplied). min_tokens holds back eos, stop
+    tokens and stop strings until that many tokens are out."""
 
     temperature: float = 1.0
     top_k: int = -1  # -1 or 0: off; above the vocabulary: off
@@ -45,6 +71,14 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     seed: int | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
+    n: int = 1  # offline: outputs per prompt (the server's n is the request's)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -69,6 +103,37 @@ class SamplingParams:
             f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
         )
         check(isinstance(self.ignore_eos, bool), "ignore_eos must be a bool")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(_is_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
+        check(
+            _is_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            "repetition_penalty must be in (0, 2]",
+        )
+        check(
+            _is_int64(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or INT64_MAX),
+            "min_tokens must be in [0, max_tokens]",
+        )
+        check(
+            isinstance(self.include_stop_str_in_output, bool),
+            "include_stop_str_in_output must be a bool",
+        )
+        check(
+            self.structured is None or isinstance(self.structured, StructuredOutput),
+            "structured must be a StructuredOutput",
+        )
+        check(_is_int(self.n) and self.n >= 1, "n must be >= 1")
+        bias = self.logit_bias or ()
+        pairs = tuple(sorted(bias.items() if isinstance(bias, Mapping) else map(tuple, bias)))
+        check(
+            all(len(p) == 2 and _is_int64(p[0]) and p[0] >= 0 for p in pairs),
+            "logit_bias keys must be token ids",
+        )
+        check(
+            all(_is_finite(b) and -100 <= b <= 100 for _, b in pairs),
+            "logit_bias values must be in [-100, 100]",
+        )
+        object.__setattr__(self, "logit_bias", pairs)
         # normalise to hashable tuples once, here, so every reader sees one form
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         check(all(isinstance(s, str) and s for s in stop), "stop must be non-empty strings")
@@ -81,6 +146,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
 
 def _is_int(x: Any) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from minisgl.core import FinishReason, SamplingParams
+from minisgl.core import FinishReason, SamplingParams, StructuredOutput
 
 _WIRE_TYPES: dict[str, type] = {}
 
@@ -34,6 +34,7 @@ def _wire(cls: type) -> type:
 
 
 _wire(SamplingParams)
+_wire(StructuredOutput)
 
 
 # ---------------------------------------------------------------------- API server -> tokenizer
