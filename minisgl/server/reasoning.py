@@ -1,0 +1,62 @@
+"""Reasoning parsers (--reasoning-parser): a chat reply split into its thinking, returned as
+`reasoning_content`, and its answer, returned as `content`.
+
+A parser is fed the reply piece by piece, as it streams, and holds back only what may still turn
+out to be a tag; fed the whole reply at once it gives the same texts, however the reply was split.
+"""
+
+from collections.abc import Callable
+
+
+def partial_tag_len(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that starts `tag` (and may yet become it)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class Qwen3ReasoningParser:
+    """Qwen3's `<think>…</think>`, as vLLM's qwen3 parser reads it. With thinking on (the
+    template's default), the reply is thinking up to `</think>` and the answer after it; a
+    leading `<think>` is dropped, and a template that opened the block in the prompt leaves only
+    `</think>` in the reply. A reply that never closes the block was cut short while thinking: it
+    is all reasoning. With thinking off (`chat_template_kwargs: {"enable_thinking": false}`) the
+    whole reply is the answer."""
+
+    start, end = "<think>", "</think>"
+
+    def __init__(self, template_kwargs: dict[str, object]) -> None:
+        thinking = template_kwargs.get("enable_thinking", True) is not False
+        self._state = "start" if thinking else "answer"  # start -> thinking -> answer
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The reasoning and the answer that `text`, the reply's next piece, makes final."""
+        text, self._held = self._held + text, ""
+        if self._state == "start":
+            if self.start.startswith(text) and len(text) < len(self.start):
+                self._held = text
+                return "", ""
+            text = text.removeprefix(self.start)
+            self._state = "thinking"
+        if self._state == "answer":
+            return "", text
+        reasoning, tag, answer = text.partition(self.end)
+        if tag:
+            self._state = "answer"
+            return reasoning, answer
+        keep = partial_tag_len(text, self.end)
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep], ""
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, once the reply has ended."""
+        held, self._held = self._held, ""  # only a thinking reply holds text back
+        return held, ""
+
+
+# name -> the parser of one reply, made from the request's chat_template_kwargs
+REASONING_PARSERS: dict[str, Callable[[dict[str, object]], Qwen3ReasoningParser]] = {
+    "qwen3": Qwen3ReasoningParser
+}

@@ -1,0 +1,179 @@
+"""The chat reply parsers (server/tool_parser.py, server/reasoning.py) on their own: a reply fed
+whole and the same reply streamed, split at every character boundary, give the same result."""
+
+import json
+import random
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from minisgl.server.reasoning import Qwen3ReasoningParser
+from minisgl.server.tool_parser import (
+    HermesToolParser,
+    JsonArrayToolParser,
+    NamedToolParser,
+    merge_calls,
+)
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, {"x": "}\\""}]}}'
+
+
+def _splits(text: str) -> list[list[str]]:
+    """The text whole, in two pieces at every boundary, one character a piece, and in random
+    pieces."""
+    rng = random.Random(0)
+    out = [[text], list(text)] + [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 5)))
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+    return out
+
+
+def _tools(make: Callable[[], Any], pieces: list[str]) -> tuple[str | None, list[dict]]:
+    """The content (None when calls only) and the calls, ids checked and left out."""
+    parser, content, deltas = make(), "", []
+    for piece in pieces:
+        text, new = parser.feed(piece)
+        content, deltas = content + text, deltas + new
+    text, new = parser.finish()
+    content, deltas = content + text, deltas + new
+    calls = merge_calls(deltas)
+    for call in calls:
+        assert re.fullmatch(r"call_[0-9a-f]{32}", call.pop("id")) and call.pop("type") == "function"
+    return (content or None) if calls else content, [c["function"] for c in calls]
+
+
+def _same_however_split(make: Callable[[], Any], text: str) -> tuple[str | None, list[dict]]:
+    whole = _tools(make, [text])
+    for pieces in _splits(text):
+        assert _tools(make, pieces) == whole, pieces
+    return whole
+
+
+def test_hermes_blocks_become_calls_and_the_text_outside_them_content() -> None:
+    text = f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n"
+    text += '{"name": "now", "arguments": {}}\n</tool_call>\n'
+    content, calls = _same_however_split(HermesToolParser, text)
+    assert content == "Let me look."
+    args = json.loads(WEATHER)["arguments"]
+    assert calls == [
+        {"name": "get_weather", "arguments": json.dumps(args)},
+        {"name": "now", "arguments": "{}"},
+    ]
+    assert json.loads(calls[0]["arguments"]) == args
+
+
+def test_a_reply_of_calls_only_has_no_content() -> None:
+    text = f"<tool_call>\n{WEATHER}\n</tool_call>\n"
+    assert _same_however_split(HermesToolParser, text)[0] is None
+
+
+def test_a_reply_without_calls_is_its_content_unchanged() -> None:
+    for text in ["", "  plain text \n", "a < b and <tool or <tool_cal", "</tool_call> x"]:
+        assert _same_however_split(HermesToolParser, text) == (text, [])
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        "not json",
+        '{"name": oops}',
+        '{"arguments": {}, "name": "f"}',
+        '{"name": 3, "arguments": {}}',
+        '{"name": "f", "arguments": [1]}',
+        '{"name": "f"',
+    ],
+)
+def test_a_malformed_block_is_left_as_content(block: str) -> None:
+    text = f"a <tool_call>{block}</tool_call> b <tool_call>{WEATHER}</tool_call>"
+    content, calls = _same_however_split(HermesToolParser, text)
+    assert content == f"a <tool_call>{block}</tool_call> b"
+    assert [c["name"] for c in calls] == ["get_weather"]
+
+
+def test_a_call_cut_short_is_closed() -> None:
+    content, calls = _same_however_split(
+        HermesToolParser, '<tool_call>{"name": "f", "arguments": {"q": ["a", "b'
+    )
+    assert content is None and json.loads(calls[0]["arguments"]) == {"q": ["a", "b"]}
+    # a block with no arguments at all is a call without arguments
+    content, calls = _same_however_split(HermesToolParser, '<tool_call>{"name": "g"}</tool_call>')
+    assert calls == [{"name": "g", "arguments": "{}"}]
+
+
+def test_text_after_the_arguments_is_dropped_up_to_the_closing_tag() -> None:
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1}} junk</tool_call>after'
+    assert _same_however_split(HermesToolParser, text) == (
+        "after",
+        [{"name": "f", "arguments": '{"a": 1}'}],
+    )
+
+
+def test_without_parallel_calls_only_the_first_is_kept() -> None:
+    text = f"<tool_call>{WEATHER}</tool_call>\n<tool_call>" + '{"name": "b"}</tool_call> end'
+    content, calls = _same_however_split(lambda: HermesToolParser(parallel=False), text)
+    assert content == "\n end" and [c["name"] for c in calls] == ["get_weather"]
+
+
+def test_streamed_call_deltas_have_the_id_and_name_first_then_argument_pieces() -> None:
+    parser = HermesToolParser()
+    deltas = []
+    for c in f"<tool_call>{WEATHER}</tool_call>":
+        deltas += parser.feed(c)[1]
+    deltas += parser.finish()[1]
+    first, *rest = [d.as_json() for d in deltas]
+    assert first["index"] == 0 and first["type"] == "function" and first["id"].startswith("call_")
+    assert first["function"]["name"] == "get_weather"
+    assert len(rest) > 10 and all(set(d) == {"index", "function"} for d in rest)
+    assert all(set(d["function"]) == {"arguments"} for d in rest)
+
+
+def test_the_required_array_gives_one_call_per_item() -> None:
+    text = '[{"name": "a", "parameters": {"x": [1, 2]}} ,\n{"name":"b","parameters":{}}]'
+    content, calls = _same_however_split(JsonArrayToolParser, text)
+    assert content is None
+    assert calls == [{"name": "a", "arguments": '{"x": [1, 2]}'}, {"name": "b", "arguments": "{}"}]
+    one = _same_however_split(lambda: JsonArrayToolParser(parallel=False), text)
+    assert one == (None, calls[:1])
+
+
+def test_a_required_reply_that_is_no_array_is_content() -> None:
+    for text in ["hello", '[{"name": 1}]', "  "]:
+        assert _same_however_split(JsonArrayToolParser, text) == (text, [])
+
+
+def test_a_named_choice_reply_is_that_call_s_arguments() -> None:
+    text = '{"city": "Paris"}'
+    assert _same_however_split(lambda: NamedToolParser("get_weather"), text) == (
+        None,
+        [{"name": "get_weather", "arguments": text}],
+    )
+
+
+def _reasoning(kwargs: dict, pieces: list[str]) -> tuple[str, str]:
+    parser, reasoning, content = Qwen3ReasoningParser(kwargs), "", ""
+    for piece in [*pieces, None]:
+        r, c = parser.feed(piece) if piece is not None else parser.finish()
+        reasoning, content = reasoning + r, content + c
+    return reasoning, content
+
+
+@pytest.mark.parametrize(
+    ("text", "kwargs", "want"),
+    [
+        ("<think>x</think>y", {}, ("x", "y")),
+        ("<think>\nlet me see\n</think>\n\nYes.", {}, ("\nlet me see\n", "\n\nYes.")),
+        ("x</think>y", {}, ("x", "y")),  # the template opened the block in the prompt
+        ("<think>still thinking</thi", {}, ("still thinking</thi", "")),  # cut short
+        ("<thi", {}, ("<thi", "")),
+        ("no tags", {}, ("no tags", "")),
+        ("<think>a</think>b</think>c<think>", {}, ("a", "b</think>c<think>")),
+        ("Hi <think>x</think>y", {"enable_thinking": False}, ("", "Hi <think>x</think>y")),
+        ("", {}, ("", "")),
+    ],
+)
+def test_qwen3_reasoning_split_however_streamed(text: str, kwargs: dict, want: tuple) -> None:
+    for pieces in _splits(text):
+        assert _reasoning(kwargs, pieces) == want, pieces
