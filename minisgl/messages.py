@@ -41,14 +41,16 @@ _wire(StructuredOutput)
 @_wire
 @dataclass
 class TokenizeRequest:
-    """One API request: each prompt (text or ids), or one chat rendered with the chat template,
-    computed len(params) times (its choices); rids[i * len(params) + j] is prompt i's choice j.
-    It is served whole or not at all."""
+    """One API request: each prompt (text or ids), or one chat rendered with the chat template
+    (with the tools and the template's own variables, if any), computed len(params) times (its
+    choices); rids[i * len(params) + j] is prompt i's choice j. It is served whole or not at all."""
 
     rids: list[int]
     params: list[SamplingParams]
     prompts: list[str | list[int]] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 @_wire
@@ -65,7 +67,7 @@ class TokenizerQuery:
 
     qid: int
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     ids: list[int] | None = None
 
 
@@ -194,15 +196,20 @@ class TextOutputs:
 
 
 # ---------------------------------------------------------------------- encoding
-def _to_map(obj: Any) -> dict[str, Any]:
+# a wire type's map names it under a bytes key: the maps of client JSON (tool schemas, template
+# variables) have only str keys, so none is taken for a wire type
+_TYPE_KEY = b"t"
+
+
+def _to_map(obj: Any) -> dict[Any, Any]:
     name = type(obj).__name__
     if _WIRE_TYPES.get(name) is not type(obj):
         raise TypeError(f"{name} is not a wire type")
-    return {"__t": name, **vars(obj)}
+    return {_TYPE_KEY: name, **vars(obj)}
 
 
-def _from_map(data: dict[str, Any]) -> Any:
-    name = data.pop("__t", None)
+def _from_map(data: dict[Any, Any]) -> Any:
+    name = data.pop(_TYPE_KEY, None)
     return data if name is None else _WIRE_TYPES[name](**data)
 
 

@@ -17,16 +17,25 @@ BASE = {
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
     },
 }  # fmt: skip
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # honoured, with a value that changes something
 HONOURED = {
     "model": MODEL, "prompt": "The dog", "messages": [{"role": "user", "content": "Hello"}],
     "max_tokens": 3, "max_completion_tokens": 3, "n": 2, "temperature": 0.5, "top_p": 0.9,
     "stop": ["x"], "seed": 3, "stream": True, "stream_options": {"include_usage": True},
     "top_k": 5, "min_p": 0.1, "ignore_eos": True, "stop_token_ids": [2],
+    "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False,
+    "chat_template_kwargs": {"enable_thinking": False},
 }  # fmt: skip
+CHAT_ONLY = {"chat_template_kwargs"}  # honoured by chat, refused by completions (vLLM's extra)
+# the other fields an honoured one needs
+HONOURED_WITH = {
+    "tool_choice": {"tools": [TOOL]},
+    "parallel_tool_calls": {"tools": [TOOL], "tool_choice": "required"},
+}
 # declared, but refused at any value that would change the output
 REFUSED_VALUES = {"echo": True, "frequency_penalty": 0.5, "presence_penalty": 0.5}
-# vLLM's extra request fields, none of which minisgl implements yet
+# vLLM's extra request fields (those minisgl honours are in HONOURED)
 VLLM_EXTRAS = (
     "use_beam_search", "repetition_penalty", "length_penalty", "min_tokens",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
@@ -55,7 +64,10 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    s = ServerProcess(tmp_path_factory.mktemp("fields"), "--served-model-name", MODEL)
+    s = ServerProcess(
+        tmp_path_factory.mktemp("fields"), "--served-model-name", MODEL, "--tool-call-parser",
+        "hermes",
+    )  # fmt: skip
     yield s
     s.stop()
 
@@ -63,14 +75,15 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize(("route", "field"), CASES, ids=[f"{r[4:]}:{f}" for r, f in CASES])
 def test_each_field_is_honoured_or_refused_by_name(server: ServerProcess, route, field) -> None:
     body = dict(BASE[route])
-    if field in HONOURED:
-        body[field] = HONOURED[field]
+    honoured = field in HONOURED and (route == "/v1/chat/completions" or field not in CHAT_ONLY)
+    if honoured:
+        body |= {field: HONOURED[field], **HONOURED_WITH.get(field, {})}
     elif field in IGNORED_FIELDS:
         body[field] = {"metadata": {"k": "v"}, "store": True}.get(field, "x")
     else:
         body[field] = REFUSED_VALUES.get(field, {"any": "value"})
     response = server.post(route, json=body)
-    if field in HONOURED or field in IGNORED_FIELDS:
+    if honoured or field in IGNORED_FIELDS:
         assert response.status_code == 200, response.text
     else:
         assert response.status_code == 400, (field, response.text)
@@ -79,6 +92,6 @@ def test_each_field_is_honoured_or_refused_by_name(server: ServerProcess, route,
 
 def test_an_unknown_field_in_a_nested_object_is_refused_by_name(server: ServerProcess) -> None:
     body = dict(BASE["/v1/chat/completions"])
-    body["messages"] = [{"role": "user", "content": "Hi", "tool_call_id": "1"}]
+    body["messages"] = [{"role": "user", "content": "Hi", "refusal": "no"}]
     response = server.post("/v1/chat/completions", json=body)
-    assert response.status_code == 400 and "tool_call_id" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "refusal" in response.json()["error"]["message"]

@@ -142,3 +142,14 @@ def test_chat_template_bos_is_not_doubled() -> None:
     template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     ids = prompt_ids(tokenizer, None, [{"role": "user", "content": "Hi"}], template)
     assert ids[0] == tokenizer.bos_token_id and tokenizer.bos_token_id not in ids[1:]
+
+
+def test_tools_with_tool_choice_auto_need_a_tool_call_parser(server: ServerProcess) -> None:
+    """As vLLM: auto needs --tool-call-parser; none needs no parser."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": MESSAGES, "max_tokens": 2, "tools": [tool]}
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert "--tool-call-parser" in response.json()["error"]["message"]
+    response = server.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]

@@ -36,7 +36,9 @@ from .protocol import (
     choice_params,
     parse_body,
 )
-from .responses import ChatFormat, CompletionFormat, json_response
+from .reasoning import REASONING_PARSERS
+from .responses import ChatFormat, CompletionFormat, ReplyParser, json_response
+from .tool_parser import TOOL_PARSERS, JsonArrayToolParser, NamedToolParser, ToolParser
 
 # routes open without the API key: what load balancers and monitoring probe
 _OPEN_ROUTES = ("/health", "/metrics")
@@ -197,16 +199,46 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         engine_limits()
         params = body.sampling_params()
         args.limits.check(body.n, 1, params.stop)
+        fmt = ChatFormat(_reply_parser(args, body))
         messages = [m.as_template_input() for m in body.messages]
         choices = choice_params(params, body.n)
-        tokenize = TokenizeRequest(client.new_rids(body.n), choices, messages=messages)
+        tokenize = TokenizeRequest(
+            client.new_rids(body.n), choices, messages=messages, tools=body.template_tools(),
+            template_kwargs=body.chat_template_kwargs,
+        )  # fmt: skip
         return await generate(
-            request, client, ChatFormat(), args.served_model_name, tokenize, body.n,
+            request, client, fmt, args.served_model_name, tokenize, body.n,
             want_logprobs=body.logprobs, stream=body.stream, include_usage=body.include_usage,
             timeout=args.request_timeout,
         )  # fmt: skip
 
     return app
+
+
+def _reply_parser(
+    args: ServerArgs, body: ChatCompletionRequest
+) -> Callable[[], ReplyParser] | None:
+    """What reads each choice's reply: the server's reasoning parser, and the tool parser that
+    fits the request's tool_choice (auto: the server's --tool-call-parser; required and named:
+    the JSON their grammar holds the reply to, which leaves no thinking to split off)."""
+    mode, name = body.tool_use()
+    reasoning = args.reasoning_parser if mode in ("none", "auto") else None
+    if mode == "auto" and args.tool_call_parser is None:
+        raise ApiError(400, "tools with tool_choice auto need the server started with "
+                       "--tool-call-parser")  # fmt: skip
+    tools: Callable[[], ToolParser] | None = {
+        "none": None,
+        "auto": lambda: TOOL_PARSERS[args.tool_call_parser](body.parallel),  # type: ignore[index]
+        "required": lambda: JsonArrayToolParser(body.parallel),
+        "named": lambda: NamedToolParser(name),  # type: ignore[arg-type]
+    }[mode]
+    if reasoning is None and tools is None:
+        return None
+    kwargs = body.chat_template_kwargs or {}
+    return lambda: ReplyParser(
+        None if reasoning is None else REASONING_PARSERS[reasoning](kwargs),
+        None if tools is None else tools(),
+    )
 
 
 class _ApiKeyMiddleware:

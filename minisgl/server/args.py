@@ -3,6 +3,8 @@ from dataclasses import dataclass, field
 from minisgl.config import EngineConfig, SchedulerConfig
 
 from .limits import RequestLimits
+from .reasoning import REASONING_PARSERS
+from .tool_parser import TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,8 @@ class ServerArgs:
     api_key: str | None = None
     shell: bool = False
     chat_template: str | None = None  # a Jinja template used instead of the model's
+    tool_call_parser: str | None = None  # reads tool calls out of replies (tool_choice auto)
+    reasoning_parser: str | None = None  # splits replies into reasoning_content and content
     limits: RequestLimits = field(default_factory=RequestLimits)
     request_timeout: float | None = None  # seconds a request may run; None: no limit
     shutdown_timeout: float = 10.0  # seconds running requests may finish after SIGTERM
@@ -32,3 +36,9 @@ class ServerArgs:
             timeouts.append(self.request_timeout)
         if not all(t > 0 for t in timeouts):
             raise ValueError("timeouts must be > 0 seconds")
+        for flag, name, known in [
+            ("--tool-call-parser", self.tool_call_parser, TOOL_PARSERS),
+            ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS),
+        ]:
+            if name is not None and name not in known:
+                raise ValueError(f"{flag} must be one of {', '.join(known)}, not {name!r}")

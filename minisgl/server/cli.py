@@ -23,6 +23,8 @@ from minisgl.utils import DEFAULT_MODEL_PATH, resolve_model_path
 from .args import ServerArgs
 from .launch import launch
 from .limits import RequestLimits
+from .reasoning import REASONING_PARSERS
+from .tool_parser import TOOL_PARSERS
 
 API_KEY_ENV = "MINISGL_API_KEY"
 
@@ -54,6 +56,8 @@ _CONFIG_OPTIONS: dict[str, tuple[type, str]] = {
     "health_timeout": (ServerArgs, "health_timeout"),
     "timeout_keep_alive": (ServerArgs, "timeout_keep_alive"),
     "log_level": (ServerArgs, "log_level"),
+    "tool_call_parser": (ServerArgs, "tool_call_parser"),
+    "reasoning_parser": (ServerArgs, "reasoning_parser"),
     "host": (ServerArgs, "host"),
     "port": (ServerArgs, "port"),
 }
@@ -154,6 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template", help="a Jinja chat template, or a file holding one, used instead of "
         "the model's",
     )  # fmt: skip
+    option(
+        "--tool-call-parser",
+        "read tool calls out of chat replies in this model family's format, for tool_choice "
+        "auto (required and named choices need none: a grammar holds the reply to the calls)",
+        choices=sorted(TOOL_PARSERS),
+    )
+    option(
+        "--reasoning-parser",
+        "split chat replies into reasoning_content (the model's thinking) and content",
+        choices=sorted(REASONING_PARSERS),
+    )
     option("--max-n", "choices per request at most (OpenAI's limit)", type=int)
     option("--max-prompts", "prompts per completions request at most (OpenAI's)", type=int)
     option("--max-request-bytes", "request body size at most; larger is a 413", type=int)

@@ -157,11 +157,12 @@ class _Run:
                 for index, piece in self._apply(batch).items():
                     is_first = index not in sent
                     if is_first or piece.text or piece.logprobs or piece.end:
-                        sent.add(index)
                         data = self.fmt.choice(
                             index, piece, offsets[index], self.want_logprobs, True, is_first
                         )
-                        yield _event(self._envelope([data], chunk=True))
+                        if data is not None:
+                            sent.add(index)
+                            yield _event(self._envelope([data], chunk=True))
                 if self._ended():
                     break
                 batch = await self.next_items()

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from minisgl.core import INT64_MAX, INT64_MIN, SamplingParams
+from minisgl.core import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutput
 
 from .errors import ApiError
 
@@ -146,18 +146,96 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None  # the participant's, for the templates that write it
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text
 
-    def as_template_input(self) -> dict[str, str]:
-        text = (
-            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        )
+    @model_validator(mode="after")
+    def _arguments_are_an_object(self) -> "FunctionCall":
+        try:
+            ok = isinstance(orjson.loads(self.arguments), dict)
+        except orjson.JSONDecodeError:
+            ok = False
+        if not ok:
+            raise ValueError("function.arguments must be a JSON object, as text")
+        return self
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant's calls
+    name: str | None = None  # the participant's, for the templates that write it
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self) -> "ChatMessage":
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required, unless an assistant message has tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls are an assistant message's")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool_call_id is required in a tool message, and only there")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
         # "developer" is OpenAI's newer name for the system role, which chat templates know
-        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
-        return message if self.name is None else {**message, "name": self.name}
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": text,
+        }
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            # arguments as an object, as vLLM passes them: templates write them with tojson
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": orjson.loads(c.function.arguments),
+                    },
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+    def schema(self) -> dict[str, Any]:
+        return self.parameters or {"type": "object", "properties": {}}
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class TokenizeBody(_Strict):
@@ -179,10 +257,15 @@ class ChatCompletionRequest(_GenerateRequest):
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: True, as OpenAI's
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables
 
     def sampling_params(self) -> SamplingParams:
         """An omitted max_tokens means the rest of the context; a given one must fit in it (the
-        tokenizer process checks, with the prompt's length)."""
+        tokenizer process checks, with the prompt's length). A `required` or named tool_choice
+        constrains the reply to its calls' JSON."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true")
         given = (
@@ -191,4 +274,58 @@ class ChatCompletionRequest(_GenerateRequest):
             else self.max_tokens
         )
         params = self._params(given, (self.top_logprobs or 0) if self.logprobs else None)
-        return params if given is not None else replace(params, max_tokens=None)
+        if given is None:
+            params = replace(params, max_tokens=None)
+        schema = self._tool_schema()
+        if schema is None:
+            return params
+        if params.structured is not None:
+            raise ApiError(400, "tool_choice required or a named function cannot be combined "
+                           "with another structured output")  # fmt: skip
+        structured = StructuredOutput(json_schema=orjson.dumps(schema).decode())
+        return replace(params, structured=structured)
+
+    def tool_use(self) -> tuple[Literal["none", "auto", "required", "named"], str | None]:
+        """How the reply is read for calls, and the named choice's function; raises ApiError(400)
+        for a choice that does not fit the tools."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice != "none" and not self.tools:
+            raise ApiError(400, "tool_choice needs tools")
+        mode, name = (choice, None) if isinstance(choice, str) else ("named", choice.function.name)
+        tools = self.tools or []
+        if name is not None and name not in [t.function.name for t in tools]:
+            raise ApiError(400, f"tool_choice names the function `{name}`, which tools lack")
+        if mode in ("none", "auto") and any(t.function.strict for t in tools):
+            raise ApiError(400, "tools' function.strict is honoured only with tool_choice "
+                           "required or a named function")  # fmt: skip
+        return mode, name  # type: ignore[return-value]
+
+    @property
+    def parallel(self) -> bool:
+        return self.parallel_tool_calls is not False
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a required or named choice holds the reply to, as vLLM's: the named
+        function's parameters, or an array of {name, parameters} objects, one tool's each."""
+        mode, name = self.tool_use()
+        tools = self.tools or []
+        if mode == "named":
+            return next(t.function.schema() for t in tools if t.function.name == name)
+        if mode != "required":
+            return None
+        calls = [
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": t.function.schema(),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+        return schema if self.parallel else {**schema, "maxItems": 1}

@@ -2,6 +2,7 @@
 envelope, usage and the streaming machinery (generation.py) are shared."""
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +10,9 @@ import orjson
 from starlette.responses import Response
 
 from minisgl.messages import Finished, TextLogprobs
+
+from .reasoning import Qwen3ReasoningParser
+from .tool_parser import CallDelta, ToolParser, merge_calls
 
 
 def json_response(body: dict[str, Any], status: int = 200, headers: Any = None) -> Response:
@@ -69,9 +73,10 @@ class ResponseFormat(ABC):
         want_logprobs: bool,
         delta: bool,
         first: bool,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         """A response's (or with delta, a chunk's) choice holding `piece`, which starts
-        `text_offset` characters into the choice's text; `first`: the choice's first chunk."""
+        `text_offset` characters into the choice's text; `first`: the choice's first chunk.
+        None: a chunk with nothing to send yet."""
 
     def envelope(
         self, rid: str, created: int, model: str, choices: list[dict[str, Any]], chunk: bool
@@ -119,10 +124,43 @@ class CompletionFormat(ResponseFormat):
         }
 
 
+class ReplyParser:
+    """One chat choice's reply read as it streams (or whole): the reasoning split off first, then
+    tool calls read out of the rest."""
+
+    def __init__(self, reasoning: Qwen3ReasoningParser | None, tools: ToolParser | None) -> None:
+        self.reasoning, self.tools = reasoning, tools
+        self.num_calls = 0
+
+    def feed(self, text: str, end: bool) -> tuple[str, str, list[CallDelta]]:
+        """The reasoning, the content and the call deltas that `text`, the reply's next piece,
+        makes final (with `end`: the rest too)."""
+        reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
+        if end and self.reasoning:
+            more = self.reasoning.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        if self.tools is None:
+            return reasoning, content, []
+        content, calls = self.tools.feed(content)
+        if end:
+            more_content, more_calls = self.tools.finish()
+            content, calls = content + more_content, calls + more_calls
+        self.num_calls += sum(c.id is not None for c in calls)
+        return reasoning, content, calls
+
+
 class ChatFormat(ResponseFormat):
+    """With a `new_parser` (the server's --reasoning-parser, the request's tools), each choice's
+    reply is parsed: reasoning_content, content (null when empty), tool_calls, and the
+    finish_reason `tool_calls` for a reply that made calls."""
+
     id_prefix = "chatcmpl"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, new_parser: Callable[[], ReplyParser] | None = None) -> None:
+        self.new_parser = new_parser
+        self._parsers: dict[int, ReplyParser] = {}  # a streamed choice's, by index
 
     def choice(
         self,
@@ -132,23 +170,58 @@ class ChatFormat(ResponseFormat):
         want_logprobs: bool,
         delta: bool,
         first: bool,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         out: dict[str, Any] = {"index": index}
-        if delta:
-            out["delta"] = (
-                {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
-            )
+        finish_reason = piece.finish_reason
+        if self.new_parser is None:
+            message: dict[str, Any] = {"content": piece.text}
         else:
-            out["message"] = {"role": "assistant", "content": piece.text}
+            if not delta:
+                parser = self.new_parser()
+            elif (parser := self._parsers.get(index)) is None:
+                parser = self._parsers[index] = self.new_parser()
+            reasoning, content, calls = parser.feed(piece.text, end=piece.end is not None)
+            message = self._message(reasoning, content, calls, parser, delta)
+            if delta and not message and not first and not piece.logprobs and not piece.end:
+                return None  # all held back: nothing to send yet
+            if parser.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if delta:
+            out["delta"] = {"role": "assistant", **message} if first else message
+            if first and not message:
+                out["delta"]["content"] = ""
+        else:
+            out["message"] = {"role": "assistant", **message}
         out["logprobs"] = None
         if want_logprobs:
             out["logprobs"] = {
                 "content": [_chat_logprob(t) for t in piece.logprobs],
                 "refusal": None,
             }
-        out["finish_reason"] = piece.finish_reason
+        out["finish_reason"] = finish_reason
         out["stop_reason"] = piece.matched_stop
         return out
+
+    @staticmethod
+    def _message(
+        reasoning: str, content: str, calls: list[CallDelta], parser: ReplyParser, delta: bool
+    ) -> dict[str, Any]:
+        """A message's (or with delta, a chunk's) parsed fields; a chunk has only those it got."""
+        if delta:
+            message: dict[str, Any] = {}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if content:
+                message["content"] = content
+            if calls:
+                message["tool_calls"] = [c.as_json() for c in calls]
+            return message
+        message = {"content": content or None}
+        if parser.reasoning is not None:
+            message["reasoning_content"] = reasoning or None
+        if calls:
+            message["tool_calls"] = merge_calls(calls)
+        return message
 
 
 def _chat_logprob(t: TextLogprobs) -> dict[str, Any]:

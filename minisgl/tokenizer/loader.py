@@ -2,7 +2,9 @@
 from tokenizer.json: `AutoTokenizer` imports torch in transformers 5, and the tokenizer process
 runs without it."""
 
+import inspect
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from transformers import PreTrainedTokenizerFast
@@ -10,6 +12,10 @@ from transformers import PreTrainedTokenizerFast
 from minisgl.config import ConfigError
 
 Tokenizer = PreTrainedTokenizerFast
+# what apply_chat_template sets itself: a template variable of the request's may not replace one
+_RENDER_NAMES = {*inspect.signature(Tokenizer.apply_chat_template).parameters, "messages"} - {
+    "kwargs"
+}
 
 
 def check_tokenizer(model_path: Path) -> None:
@@ -26,17 +32,29 @@ def load_tokenizer(model_path: Path) -> Tokenizer:
 def prompt_ids(
     tokenizer: Tokenizer,
     prompt: str | list[int] | None,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """A prompt (text or ids), or a chat rendered with the chat template (chat_template: one
-    given instead of the model's), as token ids; raises ValueError if it cannot be built."""
+    given instead of the model's; tools and template_kwargs, the template's own variables, passed
+    to it), as token ids; raises ValueError if it cannot be built."""
     if messages is not None:
         if chat_template is None and tokenizer.chat_template is None:
             raise ValueError("the model has no chat template; use /v1/completions")
+        kwargs = template_kwargs or {}
+        taken = sorted(set(kwargs) & _RENDER_NAMES)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
         try:
             text = tokenizer.apply_chat_template(
-                messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True
+                messages,
+                tools=tools,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+                **kwargs,
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"cannot apply the chat template: {e}") from e

@@ -64,7 +64,14 @@ class Tokenize:
         choices = len(request.params)
         try:
             prompts = [
-                prompt_ids(self.tokenizer, prompt, request.messages, self.chat_template)
+                prompt_ids(
+                    self.tokenizer,
+                    prompt,
+                    request.messages,
+                    self.chat_template,
+                    request.tools,
+                    request.template_kwargs,
+                )
                 for prompt in request.prompts or [None]
             ]
             for ids in prompts:  # rejected here, before queuing, by the scheduler's own rule

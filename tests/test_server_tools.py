@@ -1,0 +1,284 @@
+"""Tool calls and reasoning through /v1/chat/completions, on a small random Qwen3 with the real
+Qwen3 tokenizer and chat template, served with --tool-call-parser hermes and --reasoning-parser
+qwen3. Random weights write no `<tool_call>` or `<think>` of their own: the replies that need them
+are forced with a structured output (`structured_outputs: {"regex": …}`, vLLM's extra field);
+`required` and named tool choices are held to their calls' JSON by their own grammar."""
+
+import json
+from typing import Any
+
+import pytest
+
+from minisgl.core import SamplingParams
+from minisgl.messages import TokenizeRequest, decode, encode
+from minisgl.server.cli import parse_args
+from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
+
+from .conftest import QWEN3_TOKENIZER
+from .server_process import ServerProcess
+
+MAX_KV_TOKENS = 1024  # also the context: the random Qwen3 knows 1024 positions
+NO_THINKING = {"enable_thinking": False}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, ADD]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    s = ServerProcess(
+        tmp_path_factory.mktemp("tools"), "--model", str(checkpoint("qwen3", tokenizer="qwen3")),
+        "--served-model-name", "qwen", "--max-kv-tokens", str(MAX_KV_TOKENS), "--max-model-len",
+        str(MAX_KV_TOKENS), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+    )  # fmt: skip
+    yield s
+    s.stop()
+
+
+def _forced(text: str) -> dict[str, Any]:
+    """The extra body that forces the reply to be `text`."""
+    regex = "".join("\\" + c if c in "\\.^$*+?{}[]|()" else c for c in text)
+    return {"structured_outputs": {"regex": regex.replace("\n", "\\n")}}
+
+
+def _reply(server: ServerProcess, stream: bool, **kwargs) -> list[dict[str, Any]]:
+    """Each choice's reply, the same shape streamed or not: reasoning, content (None when
+    empty), calls (id, name, arguments) and finish_reason."""
+    client = server.client()
+    kwargs = {"model": "qwen", "max_tokens": 200, **kwargs}
+    if "chat_template_kwargs" in kwargs:  # vLLM's field: the client sends it as an extra
+        extra = {"chat_template_kwargs": kwargs.pop("chat_template_kwargs")}
+        kwargs["extra_body"] = {**kwargs.get("extra_body", {}), **extra}
+    if not stream:
+        out = []
+        for c in client.chat.completions.create(**kwargs).choices:
+            calls = [
+                (t.id, t.function.name, t.function.arguments) for t in c.message.tool_calls or []
+            ]
+            assert all(t.type == "function" for t in c.message.tool_calls or [])
+            reasoning = getattr(c.message, "reasoning_content", None)
+            out.append({"reasoning": reasoning, "content": c.message.content, "calls": calls,
+                        "finish_reason": c.finish_reason})  # fmt: skip
+        return out
+    choices: dict[int, dict[str, Any]] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            got = choices.setdefault(c.index, {"reasoning": "", "content": "", "calls": {}})
+            got["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
+            got["content"] += c.delta.content or ""
+            for t in c.delta.tool_calls or []:
+                if t.index not in got["calls"]:  # a call's first delta: its id and name
+                    assert t.id.startswith("call_") and t.type == "function" and t.function.name
+                    got["calls"][t.index] = [t.id, t.function.name, t.function.arguments or ""]
+                else:
+                    assert t.id is None and t.function.name is None
+                    got["calls"][t.index][2] += t.function.arguments
+            got["finish_reason"] = c.finish_reason or got.get("finish_reason")
+    return [
+        {
+            "reasoning": c["reasoning"] or None,
+            "content": c["content"] or None,
+            "calls": [tuple(v) for _, v in sorted(c["calls"].items())],
+            "finish_reason": c["finish_reason"],
+        }
+        for _, c in sorted(choices.items())
+    ]
+
+
+def _without_ids(reply: dict[str, Any]) -> dict[str, Any]:
+    for call_id, _, _ in reply["calls"]:
+        assert call_id.startswith("call_") and len(call_id) > 8
+    return {**reply, "calls": [(name, json.loads(args)) for _, name, args in reply["calls"]]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_scripted_tool_conversation(server: ServerProcess, stream: bool) -> None:
+    """Call -> the tool's result -> an answer, the history going back through the template."""
+    first = _reply(server, stream, messages=QUESTION, tools=TOOLS,
+                   chat_template_kwargs=NO_THINKING, extra_body=_forced(CALL_TEXT))  # fmt: skip
+    assert _without_ids(first[0]) == {
+        "reasoning": None,
+        "content": None,
+        "calls": [("get_weather", {"city": "Paris", "unit": "c"})],
+        "finish_reason": "tool_calls",
+    }
+    call_id, name, arguments = first[0]["calls"][0]
+    history = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        ]},
+        {"role": "tool", "tool_call_id": call_id, "content": '{"temperature": 21}'},
+    ]  # fmt: skip
+    answer = "It is 21 degrees in Paris."
+    second = _reply(server, stream, messages=history, tools=TOOLS,
+                    chat_template_kwargs=NO_THINKING, extra_body=_forced(answer))  # fmt: skip
+    assert second == [{"reasoning": None, "content": answer, "calls": [], "finish_reason": "stop"}]
+
+
+def test_tools_and_the_history_reach_the_template(server: ServerProcess) -> None:
+    """The prompt is the template's rendering of the messages, the tools and its variables."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}  # fmt: skip
+    history = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]
+    got = server.client().chat.completions.create(
+        model="qwen", messages=history, tools=TOOLS, max_tokens=1, tool_choice="none",
+        extra_body={"chat_template_kwargs": NO_THINKING},
+    )  # fmt: skip
+    tokenizer = load_tokenizer(QWEN3_TOKENIZER)  # the served model's
+    template_history = [*QUESTION, {**history[1], "content": "", "tool_calls": [
+        {**call, "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}, history[2]]  # fmt: skip
+    want = prompt_ids(tokenizer, None, template_history, None, TOOLS, NO_THINKING)
+    assert got.usage.prompt_tokens == len(want)
+    text = tokenizer.decode(want)
+    assert '"name": "get_weather"' in text and "<tool_response>\n3\n</tool_response>" in text
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_reasoning_is_split_from_the_answer(server: ServerProcess, stream: bool) -> None:
+    got = _reply(server, stream, messages=QUESTION, extra_body=_forced("<think>x</think>y"))
+    assert got == [{"reasoning": "x", "content": "y", "calls": [], "finish_reason": "stop"}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_reasoning_then_a_tool_call(server: ServerProcess, stream: bool) -> None:
+    """Reasoning is split off first; the calls are read from the rest."""
+    text = f"<think>\nI should look it up.\n</think>\n\n{CALL_TEXT}"
+    got = _reply(server, stream, messages=QUESTION, tools=TOOLS, extra_body=_forced(text))
+    assert [_without_ids(r) for r in got] == [
+        {
+            "reasoning": "\nI should look it up.\n",
+            "content": None,
+            "calls": [("get_weather", {"city": "Paris", "unit": "c"})],
+            "finish_reason": "tool_calls",
+        }
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_without_thinking_the_reply_is_all_content(server: ServerProcess, stream: bool) -> None:
+    kwargs = dict(messages=QUESTION, seed=3, max_tokens=12, chat_template_kwargs=NO_THINKING)
+    got = _reply(server, stream, **kwargs)
+    assert got[0]["reasoning"] is None and got[0]["content"] and got[0]["calls"] == []
+    # thinking on (the default), a reply that never closes its thinking is all reasoning
+    thinking = _reply(server, stream, messages=QUESTION, seed=3, max_tokens=12)
+    assert thinking[0]["content"] is None and thinking[0]["reasoning"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_choice_none_leaves_calls_as_content(server: ServerProcess, stream: bool) -> None:
+    got = _reply(server, stream, messages=QUESTION, tools=TOOLS, tool_choice="none",
+                 chat_template_kwargs=NO_THINKING, extra_body=_forced(CALL_TEXT))  # fmt: skip
+    assert got == [{"reasoning": None, "content": CALL_TEXT, "calls": [], "finish_reason": "stop"}]
+
+
+def _check_arguments(name: str, arguments: dict[str, Any]) -> None:
+    """The arguments follow the tool's schema (enums, ranges, no other keys)."""
+    if name == "get_weather":
+        assert arguments.keys() == {"city", "unit"}
+        assert arguments["city"] in ("Paris", "Oslo") and arguments["unit"] in ("c", "f")
+    else:
+        assert name == "add" and arguments.keys() == {"a", "b"}
+        assert all(isinstance(v, int) and 0 <= v <= 99 for v in arguments.values())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_choice_required_always_gives_a_call(server: ServerProcess, stream: bool) -> None:
+    """Random weights, held to an array of one call (parallel_tool_calls false bounds it)."""
+    got = _reply(server, stream, messages=QUESTION, tools=TOOLS, tool_choice="required",
+                 parallel_tool_calls=False, n=4, seed=7)  # fmt: skip
+    assert len(got) == 4
+    for reply in got:
+        reply = _without_ids(reply)
+        assert reply["finish_reason"] == "tool_calls" and reply["content"] is None, reply
+        assert reply["reasoning"] is None and len(reply["calls"]) == 1
+        _check_arguments(*reply["calls"][0])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_tool_choice_always_gives_that_call(server: ServerProcess, stream: bool) -> None:
+    choice = {"type": "function", "function": {"name": "add"}}
+    got = _reply(server, stream, messages=QUESTION, tools=TOOLS, tool_choice=choice, n=4, seed=1)
+    for reply in got:
+        reply = _without_ids(reply)
+        assert reply["finish_reason"] == "tool_calls" and reply["content"] is None, reply
+        assert [name for name, _ in reply["calls"]] == ["add"]
+        _check_arguments(*reply["calls"][0])
+
+
+def test_tool_requests_that_cannot_be_served_are_refused(server: ServerProcess) -> None:
+    def error(**body: Any) -> str:
+        response = server.post(
+            "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2, **body}
+        )
+        assert response.status_code == 400, response.text
+        return response.json()["error"]["message"]
+
+    named = {"type": "function", "function": {"name": "nope"}}
+    assert "nope" in error(tools=TOOLS, tool_choice=named)
+    assert "tool_choice" in error(tool_choice="required")
+    assert "tool_call_id" in error(messages=[{"role": "tool", "content": "3"}])
+    assert "content" in error(messages=[{"role": "assistant", "content": None}])
+    bad_call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{x"}}
+    assert "arguments" in error(
+        messages=[{"role": "assistant", "content": None, "tool_calls": [bad_call]}]
+    )
+    assert "tokenize" in error(chat_template_kwargs={"tokenize": True})
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    assert "strict" in error(tools=[strict])
+    assert "tools" in error(tools=[{"type": "custom", "custom": {"name": "x"}}])
+    # a strict tool is held to its schema when the grammar holds the reply
+    response = server.post("/v1/chat/completions", json={
+        "messages": QUESTION, "max_tokens": 200, "tools": [strict], "tool_choice": "required",
+    })  # fmt: skip
+    assert response.status_code == 200, response.text
+
+
+def test_client_json_keys_cross_the_wire_unchanged() -> None:
+    """A tool schema or template variable may use any key, even one the wire's encoding uses."""
+    tools = [{"__t": "SamplingParams", "t": 1, "function": {"parameters": {"__t": "x"}}}]
+    request = TokenizeRequest([0], [SamplingParams()], messages=[{"role": "user", "content": "x"}],
+                              tools=tools, template_kwargs={"__t": "Ready", "t": [1]})  # fmt: skip
+    assert decode(encode(request)) == request
+
+
+def test_chat_parsers_are_chosen_by_name_at_start() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--tool-call-parser", "nope"])
+    args = parse_args(["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+    assert (args.tool_call_parser, args.reasoning_parser) == ("hermes", "qwen3")
