@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
+from minisgl.messages import Finished
 from minisgl.server.reasoning import Qwen3ReasoningParser
+from minisgl.server.responses import ChatFormat, Choice, ReplyParser
 from minisgl.server.tool_parser import (
     HermesToolParser,
     JsonArrayToolParser,
@@ -177,3 +179,57 @@ def _reasoning(kwargs: dict, pieces: list[str]) -> tuple[str, str]:
 def test_qwen3_reasoning_split_however_streamed(text: str, kwargs: dict, want: tuple) -> None:
     for pieces in _splits(text):
         assert _reasoning(kwargs, pieces) == want, pieces
+
+
+def _format(reasoning: bool, tools: Callable[[], Any] | None) -> ChatFormat:
+    return ChatFormat(
+        lambda: ReplyParser(Qwen3ReasoningParser({}) if reasoning else None, tools and tools())
+    )
+
+
+def _end(reason: str = "stop") -> Finished:
+    return Finished(0, reason, None, 1, 1, 0)  # type: ignore[arg-type]
+
+
+def test_a_chat_message_holds_reasoning_content_and_tool_calls() -> None:
+    text = f"<think>hmm</think>\n\n<tool_call>{WEATHER}</tool_call>"
+    whole = _format(True, HermesToolParser).choice(
+        0, Choice(text, end=_end()), 0, False, False, True
+    )
+    message = whole["message"]  # type: ignore[index]
+    assert message["content"] is None and message["reasoning_content"] == "hmm"
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert whole["finish_reason"] == "tool_calls"  # type: ignore[index]
+    # cut short by max_tokens, the reply keeps its own reason
+    cut = _format(False, HermesToolParser).choice(
+        0, Choice(f"<tool_call>{WEATHER[:30]}", end=_end("length")), 0, False, False, True
+    )
+    assert cut["finish_reason"] == "length"  # type: ignore[index]
+
+
+def test_streamed_chat_chunks_hold_only_what_they_got() -> None:
+    fmt = _format(True, HermesToolParser)
+    text = f"<think>hmm</think>ok<tool_call>{WEATHER}</tool_call>"
+    chunks = [fmt.choice(0, Choice(c), 0, False, True, i == 0) for i, c in enumerate(text)]
+    chunks.append(fmt.choice(0, Choice(end=_end()), 0, False, True, False))
+    sent = [c for c in chunks if c is not None]
+    assert sent[0]["delta"] == {"role": "assistant", "content": ""}  # held back: '<'
+    assert len(sent) < len(chunks)  # chunks with nothing in them are not sent
+    deltas = [c["delta"] for c in sent]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "hmm"
+    assert "".join(d.get("content", "") for d in deltas) == "ok"
+    calls = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    arguments = "".join(t["function"]["arguments"] for t in calls)
+    assert json.loads(arguments) == json.loads(WEATHER)["arguments"]
+    assert sent[-1]["finish_reason"] == "tool_calls" and sent[-1]["delta"] == {}
+    assert all(c["finish_reason"] is None for c in sent[:-1])
+
+
+def test_without_parsers_the_chat_format_is_unchanged() -> None:
+    fmt = ChatFormat()
+    assert fmt.choice(0, Choice("<think>x", end=_end()), 0, False, False, True)["message"] == {
+        "role": "assistant",
+        "content": "<think>x",
+    }  # type: ignore[index]
+    assert fmt.choice(0, Choice(""), 0, False, True, False)["delta"] == {"content": ""}  # type: ignore[index]

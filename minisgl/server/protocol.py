@@ -7,6 +7,9 @@ strings, ...) are SamplingParams' own. Fields left out keep SamplingParams' defa
 OpenAI's (temperature 1, top_p 1, max_tokens 16 for completions), except chat's max_tokens, which
 defaults to the rest of the context (as in vLLM): the request runs until the context is full. A
 max_tokens that cannot fit with the prompt is a 400 with the numbers, as vLLM says it.
+
+Chat's tools go to the chat template; a `required` or named tool_choice becomes a structured
+output, the JSON schema of its calls, as in vLLM (responses.py reads the calls out of the reply).
 """
 
 from dataclasses import replace
@@ -148,17 +151,16 @@ class TextPart(_Strict):
 
 class FunctionCall(_Strict):
     name: str
-    arguments: str  # a JSON object, as text
+    arguments: str  # JSON text, as the model wrote it (not always valid)
 
-    @model_validator(mode="after")
-    def _arguments_are_an_object(self) -> "FunctionCall":
+    def template_arguments(self) -> Any:
+        """As an object, as vLLM passes them (templates write them with tojson); text that is no
+        JSON object stays text."""
         try:
-            ok = isinstance(orjson.loads(self.arguments), dict)
+            arguments = orjson.loads(self.arguments)
         except orjson.JSONDecodeError:
-            ok = False
-        if not ok:
-            raise ValueError("function.arguments must be a JSON object, as text")
-        return self
+            return self.arguments
+        return arguments if isinstance(arguments, dict) else self.arguments
 
 
 class ToolCall(_Strict):
@@ -197,14 +199,13 @@ class ChatMessage(_Strict):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            # arguments as an object, as vLLM passes them: templates write them with tojson
             message["tool_calls"] = [
                 {
                     "id": c.id,
                     "type": "function",
                     "function": {
                         "name": c.function.name,
-                        "arguments": orjson.loads(c.function.arguments),
+                        "arguments": c.function.template_arguments(),
                     },
                 }
                 for c in self.tool_calls
