@@ -139,6 +139,11 @@ def test_the_required_array_gives_one_call_per_item() -> None:
     assert calls == [{"name": "a", "arguments": '{"x": [1, 2]}'}, {"name": "b", "arguments": "{}"}]
     one = _same_however_split(lambda: JsonArrayToolParser(parallel=False), text)
     assert one == (None, calls[:1])
+    # cut short in the second call's arguments: closed; in its header: no second call
+    assert _same_however_split(JsonArrayToolParser, text[:-3]) == (None, calls)
+    assert _same_however_split(JsonArrayToolParser, text[:-8]) == (None, calls[:1])
+    cut = _same_however_split(lambda: JsonArrayToolParser(parallel=False), text[:-3])
+    assert cut == (None, calls[:1])
 
 
 def test_a_required_reply_that_is_no_array_is_content() -> None:
@@ -233,3 +238,12 @@ def test_without_parsers_the_chat_format_is_unchanged() -> None:
         "content": "<think>x",
     }  # type: ignore[index]
     assert fmt.choice(0, Choice(""), 0, False, True, False)["delta"] == {"content": ""}  # type: ignore[index]
+
+
+def test_text_that_only_starts_like_a_tag_is_kept() -> None:
+    args = '{"q": "a <b </tool_ x"}'
+    text = f'<tool_calls <tool_call>{{"name": "f", "arguments": {args}}}</tool_call>'
+    assert _same_however_split(HermesToolParser, text) == (
+        "<tool_calls",
+        [{"name": "f", "arguments": args}],
+    )

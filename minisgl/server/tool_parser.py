@@ -300,7 +300,7 @@ class JsonArrayToolParser:
                 if self._wanted:
                     self.reply.arguments(text if end is None else text[:end])
                 if end is None:
-                    if final:
+                    if final and self._wanted:
                         self.reply.arguments(self._args.closing())
                     return
                 self._state, text = "end", text[end:]
