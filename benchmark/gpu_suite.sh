@@ -4,7 +4,7 @@
 #
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
 #   PART: kernels sweep-attention gemv host latency bench bench-hf profile latency-profile cprofile
-#         ablations pdl tests tests-engine serving serving-8b
+#         ablations pdl baseline tests tests-engine serving serving-8b
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
 set -uo pipefail
@@ -78,6 +78,11 @@ for part in "$@"; do
       step no_overlap 240 python3 benchmark/offline/bench.py --skip-hf --no-overlap
       without_pdl ;;
     pdl) without_pdl ;;
+    baseline)  # bench and latency of another tree, for an A/B in one call: carry .baseline, made
+      # with `git archive REV minisgl benchmark | tar -x -C .baseline`
+      (cd .baseline && export PYTHONPATH="$PWD:$OLDPWD/.site" &&
+        step baseline_bench 300 python3 benchmark/offline/bench.py --skip-hf &&
+        step baseline_latency 240 python3 benchmark/offline/latency.py) ;;
     tests)  # four workers (the image has pytest-xdist), a module per worker, failures listed last
       MINISGL_TEST_DEVICE=cuda step tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -rf -n 4 --dist loadfile \
         --timeout 300 --durations=10 -p no:cacheprovider tests ;;

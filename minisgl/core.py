@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 if TYPE_CHECKING:
@@ -148,10 +148,26 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
+    def processes_logits(self) -> bool:
+        """Its logits are changed before it samples: a token mask (structured output, or
+        min_tokens), logit_bias or penalties."""
+        return bool(self.logit_bias or self.min_tokens or self.structured) or self.has_penalties
+
+    @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or (
             self.repetition_penalty != 1.0
         )
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of n independent choices (each with n=1): distinct seeds derived from a given
+    seed (choice 0 keeps it, so n=1 and the first of n agree); without one, the scheduler draws
+    a seed each."""
+    if params.seed is None:
+        return [replace(params, n=1)] * n
+    # wrapped into the 64-bit range SamplingParams accepts
+    return [replace(params, n=1, seed=(params.seed + i + 2**63) % 2**64 - 2**63) for i in range(n)]
 
 
 def _is_int(x: Any) -> bool:
@@ -176,10 +192,17 @@ def _is_unicode(s: str) -> bool:
 
 
 def check_prompt(
-    prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int, max_tokens: int | None = None
+    prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int, params: SamplingParams
 ) -> None:
-    """Raise ValueError unless the prompt can be served: non-empty, known token ids, and room in
-    the context for at least one generated token, or for max_tokens of them when it is given."""
+    """Raise ValueError unless the request can be served: a non-empty prompt of known token ids,
+    room in the context for at least one generated token, or for max_tokens of them when it is
+    given, and a logit_bias on known tokens."""
+    max_tokens = params.max_tokens
+    bad_bias = next((t for t, _ in params.logit_bias if t >= vocab_size), None)  # type: ignore[union-attr]
+    if bad_bias is not None:
+        raise ValueError(
+            f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab_size})"
+        )
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty")
     if len(prompt_ids) >= max_seq_len:
@@ -294,6 +317,15 @@ class BatchInputs(Generic[Column]):
         return {name: v for name, v in vars(self).items() if v is not None}
 
 
+@dataclass(frozen=True)
+class TokenMasks:
+    """The tokens some rows of a batch may sample next (from a grammar, or min_tokens holding back
+    the stop tokens): row rows[i] may sample token t iff bit t % 32 of bits[i, t // 32] is set."""
+
+    rows: list[int]
+    bits: np.ndarray  # int32 [len(rows), ceil(vocab_size / 32)]
+
+
 @dataclass(frozen=True, eq=False)
 class Batch:
     """The requests of one forward step, as the scheduler planned it on the host.
@@ -312,6 +344,8 @@ class Batch:
     sample_rows: list[int]  # rows whose sampled token is kept (a mid-prompt chunk samples nothing)
     is_decode: bool
     inputs: BatchInputs[np.ndarray]
+    processed_rows: list[int] = field(default_factory=list)  # rows that sample, processes_logits
+    token_masks: TokenMasks | None = None
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ from minisgl.config import (
     offline_chunk_size,
     split_overrides,
 )
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, choice_params
 from minisgl.engine.engine import Engine
 from minisgl.messages import Finished, StepOutputs
 from minisgl.scheduler.scheduler import Scheduler
@@ -39,7 +39,10 @@ class LLM:
         if "chunk_size" not in scheduler_settings:
             scheduler_settings["chunk_size"] = _offline_chunk_size(self.engine.device)
         self.scheduler = Scheduler(
-            SchedulerConfig(**scheduler_settings), self.engine, load_eos_token_ids(path)
+            SchedulerConfig(**scheduler_settings),
+            self.engine,
+            load_eos_token_ids(path),
+            wait_for_grammars=True,
         )
         if self.engine.device.type == "cuda":  # where kernels compile
             self.scheduler.warm_up()
@@ -68,14 +71,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """One result dict per prompt, in order. Bad input raises ValueError before anything runs."""
-        ids = self._tokenize(prompts)
+        """One result dict per prompt and choice, in order: prompt i's choice j (of its params'
+        n) is result i * n + j. Bad input raises ValueError before anything runs."""
+        prompt_ids = self._tokenize(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(ids)
+            prompt_params = [sampling_params or SamplingParams()] * len(prompt_ids)
         else:
-            params = list(sampling_params)
-            if len(params) != len(ids):
-                raise ValueError(f"{len(params)} sampling params for {len(ids)} prompts")
+            prompt_params = list(sampling_params)
+            if len(prompt_params) != len(prompt_ids):
+                raise ValueError(
+                    f"{len(prompt_params)} sampling params for {len(prompt_ids)} prompts"
+                )
+        ids, params = [], []
+        for prompt, p in zip(prompt_ids, prompt_params, strict=True):
+            choices = choice_params(p, p.n)
+            ids += [prompt] * len(choices)
+            params += choices
         rids = [next(self._rids) for _ in ids]
         self.scheduler.add_requests(list(zip(rids, ids, params, strict=True)))
         arrival = time.perf_counter()
@@ -132,7 +143,9 @@ class _Run:
     def __init__(
         self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams, arrival: float
     ) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)
+        self.detok = IncrementalDetokenizer(
+            tokenizer, prompt_ids, params.stop, params.min_tokens, params.include_stop_str_in_output
+        )
         self.incremental = bool(params.stop)
         metrics = {"arrival_time": arrival, "first_token_time": None, "finished_time": None}
         self.result: dict[str, Any] = {

@@ -142,6 +142,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+@pytest.fixture(scope="session")
+def qwen3_path(checkpoint) -> str:
+    """A small random Qwen3 with the real Qwen3 tokenizer (chat template, multi-byte text)."""
+    return str(checkpoint("qwen3", tokenizer="qwen3"))
+
+
 def hf_model(path: Path) -> transformers.PreTrainedModel:
     """The fp32 Hugging Face reference, on the device the engine under test uses."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

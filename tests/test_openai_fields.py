@@ -23,7 +23,12 @@ HONOURED = {
     "model": MODEL, "prompt": "The dog", "messages": [{"role": "user", "content": "Hello"}],
     "max_tokens": 3, "max_completion_tokens": 3, "n": 2, "temperature": 0.5, "top_p": 0.9,
     "stop": ["x"], "seed": 3, "stream": True, "stream_options": {"include_usage": True},
-    "top_k": 5, "min_p": 0.1, "ignore_eos": True, "stop_token_ids": [2],
+    "top_k": 5, "min_p": 0.1, "ignore_eos": True, "stop_token_ids": [2], "echo": True,
+    "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.2,
+    "logit_bias": {"5": 1.0}, "min_tokens": 1, "include_stop_str_in_output": True,
+    "response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a", "b"]},
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "x"',
     "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False,
     "chat_template_kwargs": {"enable_thinking": False},
 }  # fmt: skip
@@ -34,8 +39,8 @@ HONOURED_WITH = {
     "parallel_tool_calls": {"tools": [TOOL], "tool_choice": "required"},
 }
 # declared, but refused at any value that would change the output
-REFUSED_VALUES = {"echo": True, "frequency_penalty": 0.5, "presence_penalty": 0.5}
-# vLLM's extra request fields (those minisgl honours are in HONOURED)
+REFUSED_VALUES: dict[str, object] = {}
+# vLLM's extra request fields (those HONOURED names are implemented)
 VLLM_EXTRAS = (
     "use_beam_search", "repetition_penalty", "length_penalty", "min_tokens",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",

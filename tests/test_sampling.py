@@ -39,7 +39,11 @@ def sample_many(probs: torch.Tensor, **params: float) -> torch.Tensor:
         use_min_p="min_p" in params,
         num_logprobs=-1,
     )
-    tokens = Sampler(len(probs), torch.device("cpu")).sample(logits, step_tokens, args).tokens
+    tokens = (
+        Sampler(len(probs), torch.device("cpu"), torch.zeros(1, 1, dtype=torch.int32))
+        .sample(logits, step_tokens, args)
+        .tokens
+    )
     return torch.bincount(tokens.long(), minlength=len(probs)).float() / rows
 
 

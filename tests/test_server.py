@@ -204,8 +204,17 @@ BAD_BODIES = {
     "token id outside the vocabulary": {"prompt": [1, 100000]},
     "over-long prompt": {"prompt": "the cat sat " * 1000},
     "over-long prompt, streamed": {"prompt": "the cat sat " * 1000, "stream": True},
-    "unsupported: echo": {"echo": True},
-    "unsupported: penalty": {"presence_penalty": 0.5},
+    "unsupported: echo with logprobs": {"echo": True, "logprobs": 1},
+    "bad value: penalty": {"presence_penalty": 2.5},
+    "bad value: repetition_penalty": {"repetition_penalty": 0},
+    "bad value: min_tokens above max_tokens": {"min_tokens": 20, "max_tokens": 10},
+    "bad value: logit_bias key": {"logit_bias": {"dog": 1}},
+    "bad value: logit_bias token": {"logit_bias": {"100000": 1}},
+    "bad value: logit_bias value": {"logit_bias": {"5": 101}},
+    "bad value: response_format json_schema without one": {
+        "response_format": {"type": "json_schema"}
+    },
+    "two output constraints": {"guided_regex": "a", "structured_outputs": {"choice": ["a"]}},
 }
 
 

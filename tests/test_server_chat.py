@@ -19,16 +19,11 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def model_path(checkpoint) -> str:
-    return str(checkpoint("qwen3", tokenizer="qwen3"))
-
-
-@pytest.fixture(scope="module")
-def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
+def server(qwen3_path: str, tmp_path_factory: pytest.TempPathFactory):
     s = ServerProcess(
         tmp_path_factory.mktemp("chat"),
         "--model",
-        model_path,
+        qwen3_path,
         "--max-kv-tokens",
         str(MAX_KV_TOKENS),
         "--max-model-len",
@@ -39,9 +34,9 @@ def server(model_path: str, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def llm(model_path: str) -> LLM:
+def llm(qwen3_path: str) -> LLM:
     return LLM(
-        model_path,
+        qwen3_path,
         device=DEVICE,
         dtype="float32",
         max_kv_tokens=MAX_KV_TOKENS,
@@ -54,12 +49,12 @@ def _chat_ids(llm: LLM) -> list[int]:
 
 
 def test_chat_reply_equals_the_offline_engine_on_the_templated_prompt(
-    server: ServerProcess, llm: LLM, model_path: str
+    server: ServerProcess, llm: LLM, qwen3_path: str
 ) -> None:
     params = SamplingParams(seed=11, max_tokens=20)
     want = llm.generate([_chat_ids(llm)], params, use_tqdm=False)[0]
     got = server.client().chat.completions.create(
-        model=model_path, messages=MESSAGES, seed=11, max_tokens=20
+        model=qwen3_path, messages=MESSAGES, seed=11, max_tokens=20
     )
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want["text"]
@@ -69,14 +64,14 @@ def test_chat_reply_equals_the_offline_engine_on_the_templated_prompt(
 
 
 def test_streamed_multibyte_text_equals_non_streamed_and_the_full_decode(
-    server: ServerProcess, llm: LLM, model_path: str
+    server: ServerProcess, llm: LLM, qwen3_path: str
 ) -> None:
     want = llm.generate([_chat_ids(llm)], SamplingParams(seed=1, max_tokens=64), use_tqdm=False)[0]
     tokenizer = llm.tokenizer
     # the random model emits tokens that are part of a UTF-8 character on their own
     assert any("\ufffd" in tokenizer.decode([t]) for t in want["token_ids"])
     client = server.client()
-    kwargs = dict(model=model_path, messages=MESSAGES, seed=1, max_completion_tokens=64)
+    kwargs = dict(model=qwen3_path, messages=MESSAGES, seed=1, max_completion_tokens=64)
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -86,9 +81,9 @@ def test_streamed_multibyte_text_equals_non_streamed_and_the_full_decode(
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_chat_n2_streams_two_choices_with_usage(server: ServerProcess, model_path: str) -> None:
+def test_chat_n2_streams_two_choices_with_usage(server: ServerProcess, qwen3_path: str) -> None:
     client = server.client()
-    kwargs = dict(model=model_path, messages=MESSAGES, seed=5, max_tokens=12, n=2)
+    kwargs = dict(model=qwen3_path, messages=MESSAGES, seed=5, max_tokens=12, n=2)
     whole = client.chat.completions.create(**kwargs)
     texts, usage = ["", ""], None
     stream = client.chat.completions.create(
@@ -103,9 +98,9 @@ def test_chat_n2_streams_two_choices_with_usage(server: ServerProcess, model_pat
     assert usage.completion_tokens == whole.usage.completion_tokens == 24
 
 
-def test_chat_logprobs_and_top_logprobs(server: ServerProcess, model_path: str) -> None:
+def test_chat_logprobs_and_top_logprobs(server: ServerProcess, qwen3_path: str) -> None:
     got = server.client().chat.completions.create(
-        model=model_path, messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=3
+        model=qwen3_path, messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=3
     )
     content = got.choices[0].logprobs.content
     assert len(content) == 4
@@ -116,16 +111,16 @@ def test_chat_logprobs_and_top_logprobs(server: ServerProcess, model_path: str) 
 
 
 def test_chat_without_max_tokens_runs_to_the_end_of_the_context(
-    server: ServerProcess, model_path: str
+    server: ServerProcess, qwen3_path: str
 ) -> None:
-    got = server.client().chat.completions.create(model=model_path, messages=MESSAGES)
+    got = server.client().chat.completions.create(model=qwen3_path, messages=MESSAGES)
     assert got.choices[0].finish_reason == "length"
     assert got.usage.total_tokens == MAX_KV_TOKENS
 
 
-def test_chat_errors(server: ServerProcess, model_path: str) -> None:
+def test_chat_errors(server: ServerProcess, qwen3_path: str) -> None:
     def post(body: dict) -> httpx.Response:
-        return server.post("/v1/chat/completions", json={"model": model_path, **body})
+        return server.post("/v1/chat/completions", json={"model": qwen3_path, **body})
 
     assert post({"messages": []}).status_code == 400
     assert post({"messages": [{"role": "wizard", "content": "hi"}]}).status_code == 400

@@ -81,7 +81,7 @@ class Engine:
         self.attn_backend: AttentionBackend = ATTENTION_BACKENDS.get(self.attn_backend_name)(
             self.pool, self.page_table
         )
-        self.sampler = Sampler(self.model_config.vocab_size, self.device)
+        self.sampler = Sampler(self.model_config.vocab_size, self.device, self.token_table)
         sample_counters = torch.zeros(
             config.max_running_requests, dtype=torch.int32, device=self.device
         )
@@ -209,10 +209,10 @@ class Engine:
             metadata = self.attn_backend.prepare(batch)
             logits, step_tokens = self._step(batch.is_decode, inputs, metadata, sampling)
         out = self.sampler.sample(logits, step_tokens, args)
-        if args.filtered:  # the tokens drawn after the step replace the ones it wrote
+        if args.after_step:  # the tokens drawn after the step replace the ones it wrote
             self.token_table.view(-1).scatter_(0, inputs.sample_entries, out.tokens)
         copies = None
-        if args.filtered or args.num_logprobs >= 0:
+        if args.after_step or args.num_logprobs >= 0:
             copies = SampleOutput(*(None if t is None else _to_host(t) for t in vars(out).values()))
         done = None
         if self.device.type == "cuda":

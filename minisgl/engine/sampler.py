@@ -15,6 +15,8 @@ from minisgl.core import Batch
 from minisgl.kernel.torch_ops import inverse_cdf, row_cumsum
 from minisgl.utils.torch_utils import pack_to_device
 
+from .logits_processors import LogitsProcessors
+
 _U32 = np.uint32
 
 
@@ -44,12 +46,14 @@ def hash_uniform(
 class SamplingArgs:
     """One batch's sampling parameters, one row per request (device tensors). Greedy rows and
     plain temperature sampling are done inside the step (`in_step`: one kernel, which a CUDA
-    graph holds); top-k, top-p and min-p filter the probabilities after it (`filtered`). The
-    tensors are only built when some request samples (an all-greedy batch needs just the
-    argmax)."""
+    graph holds); when a row's logits are processed (token masks, logit_bias, penalties) or its
+    probabilities filtered (top-k, top-p, min-p), the whole batch is drawn after the step
+    (`after_step`). The tensors are only built when some request samples (an all-greedy batch
+    needs just the argmax)."""
 
     all_greedy: bool
     num_logprobs: int = -1  # top logprobs to return per row (0: only the sampled token's), -1: none
+    processors: LogitsProcessors | None = None
     use_top_k_top_p: bool = False
     use_min_p: bool = False
     # float32; greedy rows: 0.0 when sampled in the step (its kernel's greedy mark), else 1.0
@@ -62,13 +66,19 @@ class SamplingArgs:
 
     @property
     def filtered(self) -> bool:
-        """Some row has top-k, top-p or min-p: the batch is sampled after the step."""
+        """Some row has top-k, top-p or min-p."""
         return self.use_top_k_top_p or self.use_min_p
 
     @property
+    def after_step(self) -> bool:
+        """The batch's tokens are drawn after the step, and replace the ones the step wrote."""
+        return self.filtered or self.processors is not None
+
+    @property
     def in_step(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(temperatures, uniforms) for the step's sampling kernel; None: all rows greedy."""
-        if self.all_greedy or self.filtered:
+        """(temperatures, uniforms) for the step's sampling kernel; None: all rows greedy, or
+        drawn after the step."""
+        if self.all_greedy or self.after_step:
             return None
         assert self.temperatures is not None and self.uniforms is not None
         return self.temperatures, self.uniforms
@@ -83,23 +93,26 @@ class SampleOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, token_table: torch.Tensor) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.token_table = token_table  # the engine's; read by the penalties
 
     def prepare(self, batch: Batch) -> SamplingArgs:
         params = [r.params for r in batch.reqs]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         num_logprobs = max(wanted) if wanted else -1
+        processors = LogitsProcessors.prepare(batch, self.device)
         greedy = [p.is_greedy for p in params]
         if all(greedy):
-            return SamplingArgs(all_greedy=True, num_logprobs=num_logprobs)
+            return SamplingArgs(True, num_logprobs, processors)
         sampling = [p for p, g in zip(params, greedy, strict=True) if not g]
         any_greedy = any(greedy)
         use_top_k_top_p = any(p.top_k > 0 or p.top_p < 1 for p in sampling)
         use_min_p = any(p.min_p > 0 for p in sampling)
         filtered = use_top_k_top_p or use_min_p
-        greedy_temperature = 1.0 if filtered else 0.0
+        after_step = filtered or processors is not None
+        greedy_temperature = 1.0 if after_step else 0.0
         # the new token's position: prefix + extend length
         positions = np.add(batch.prefix_lens, batch.extend_lens)
         temperatures = [
@@ -110,7 +123,7 @@ class Sampler:
         if filtered:  # the filters' columns travel only when read
             columns |= {"top_p": [p.top_p for p in params], "min_p": [p.min_p for p in params]}
         floats = pack_to_device(self.device, torch.float32, **columns)
-        if not filtered:  # each copy here is host time in every step of a small sampled batch
+        if not after_step:  # each copy here is host time in every step of a small sampled batch
             return SamplingArgs(all_greedy=False, num_logprobs=num_logprobs, **floats)
         ints: dict[str, torch.Tensor] = {}
         if use_top_k_top_p or any_greedy:  # the integer columns travel only when read
@@ -126,6 +139,7 @@ class Sampler:
         return SamplingArgs(
             all_greedy=False,
             num_logprobs=num_logprobs,
+            processors=processors,
             use_top_k_top_p=use_top_k_top_p,
             use_min_p=use_min_p,
             top_k=ints.get("top_k"),
@@ -137,11 +151,17 @@ class Sampler:
         self, logits: torch.Tensor, step_tokens: torch.Tensor, args: SamplingArgs
     ) -> SampleOutput:
         """step_tokens: the tokens the step sampled (int32), already in the token table: the
-        batch's tokens unless `args.filtered`, when they are each row's argmax and the rows that
-        sample are drawn here."""
+        batch's tokens unless `args.after_step`, when they are each row's argmax and the batch
+        is drawn here (greedy rows too, when their logits are processed)."""
         tokens = step_tokens
-        if args.filtered:
-            tokens = self._sample_filtered(logits, args).to(torch.int32)
+        scores = logits
+        if args.processors is not None:
+            scores = logits.to(torch.float32, copy=True)  # the logprobs are the model's own
+            args.processors.apply(scores, self.token_table)
+            step_tokens = scores.argmax(dim=-1).to(torch.int32)
+            tokens = step_tokens
+        if args.after_step and not args.all_greedy:
+            tokens = self._sample_after_step(scores, args).to(torch.int32)
             if args.greedy is not None:
                 tokens = torch.where(args.greedy, step_tokens, tokens)
         out = SampleOutput(tokens)
@@ -152,7 +172,7 @@ class Sampler:
             out.top_ids, out.top_logprobs = top.indices.to(torch.int32), top.values
         return out
 
-    def _sample_filtered(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
+    def _sample_after_step(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
         probs = torch.softmax(logits.float() / args.temperatures[:, None], dim=-1)
         if args.use_top_k_top_p:
             probs = _top_k_top_p(probs, args.top_k, args.top_p)

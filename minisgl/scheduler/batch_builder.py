@@ -2,7 +2,7 @@ import itertools
 
 import numpy as np
 
-from minisgl.core import Batch, BatchInputs, EngineLayout, Req
+from minisgl.core import Batch, BatchInputs, EngineLayout, Req, TokenMasks
 from minisgl.utils.arrays import ragged_arange, repeat_each
 
 TableWrites = tuple[np.ndarray, np.ndarray]  # flat entries of a device table, and their values
@@ -16,6 +16,8 @@ def build_batch(
     sample_rows: list[int] | None = None,
     page_writes: TableWrites | None = None,
     token_writes: TableWrites | None = None,
+    processed_rows: list[int] | None = None,
+    token_masks: TokenMasks | None = None,
 ) -> Batch:
     """The batch computing tokens [prefix, prefix + extend) of each request (in its `slot` row),
     with the writes into the page table (pool locations, from KVCacheManager.take_page_writes)
@@ -55,7 +57,9 @@ def build_batch(
         token_write_entries=token_write_entries,
         token_write_values=token_write_values,
     )
-    return Batch(reqs, prefix_lens, extend_lens, keep, is_decode, inputs)
+    return Batch(
+        reqs, prefix_lens, extend_lens, keep, is_decode, inputs, processed_rows or [], token_masks
+    )
 
 
 def _nonempty(writes: TableWrites | None) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:

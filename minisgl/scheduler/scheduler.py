@@ -9,25 +9,31 @@ One step (`step()`):
     process   -> read the sampled ids on the host, check stop rules, finish requests
 
 With overlap on, step k+1 is scheduled and launched before step k's results are processed, so
-the CPU work of one step hides behind the GPU work of the other.
+the CPU work of one step hides behind the GPU work of the other. A step with a constrained
+request (structured output) is processed before the next is scheduled: that request's next token
+mask needs the token the step samples.
 """
 
 import random
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from minisgl.config import SchedulerConfig
-from minisgl.core import Batch, FinishReason, Req, SamplingParams, check_prompt
+from minisgl.core import Batch, FinishReason, Req, SamplingParams, TokenMasks, check_prompt
 from minisgl.engine.engine import Engine, ForwardOutput
 from minisgl.engine.sampler import SampleOutput
 from minisgl.kvcache.manager import KVCacheManager
-from minisgl.messages import Finished, StepOutputs, TokenLogprobs
+from minisgl.messages import Finished, ReqError, StepOutputs, TokenLogprobs
 from minisgl.utils import init_logger
 
 from .batch_builder import build_batch
+from .grammar import Grammars
 from .token_table import TokenTable
 
 logger = init_logger(__name__)
@@ -46,7 +52,16 @@ class _InFlight:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, engine: Engine, eos_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        engine: Engine,
+        eos_ids: tuple[int, ...],
+        wait_for_grammars: bool = False,
+    ) -> None:
+        """wait_for_grammars: compile a constrained request's grammar when it is added (a bad
+        one raises there), not on the side while other requests run: TP ranks must admit it in
+        the same step, and an offline run is then the same every time."""
         self.config = config
         self.engine = engine
         self.layout = layout = engine.layout
@@ -61,6 +76,11 @@ class Scheduler:
         self._reqs: dict[int, Req] = {}
         self._in_flight: _InFlight | None = None
         self._rng = random.Random(config.seed)
+        self.grammars = Grammars(engine.config.model_path, layout.vocab_size, eos_ids)
+        self._compiling: dict[int, tuple[Req, Future[Any]]] = {}  # waiting for their grammar
+        self._wait_for_grammars = wait_for_grammars
+        self._errors: list[ReqError] = []  # requests whose grammar failed, for the next outputs
+        self._processed: set[int] = set()  # requests whose params process the logits
 
     # ------------------------------------------------------------------ requests in and out
     def add_requests(self, requests: Sequence[tuple[int, list[int], SamplingParams]]) -> None:
@@ -69,17 +89,24 @@ class Scheduler:
         for rid, prompt_ids, params in requests:
             if not isinstance(params, SamplingParams):
                 raise ValueError("sampling params must be a SamplingParams")
-            check_prompt(
-                prompt_ids, self.layout.max_seq_len, self.layout.vocab_size, params.max_tokens
-            )
+            check_prompt(prompt_ids, self.layout.max_seq_len, self.layout.vocab_size, params)
             if rid in self._reqs or rid in rids:
                 raise ValueError(f"request id {rid} is already in use")
             rids.add(rid)
+        if self._wait_for_grammars:
+            specs = {p.structured for _, _, p in requests if p.structured is not None}
+            for spec in specs:
+                self.grammars.check(self.grammars.compile(spec))
         for rid, prompt_ids, params in requests:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             req = Req(rid=rid, token_ids=list(prompt_ids), params=params, seed=seed)
             self._reqs[rid] = req
-            self.waiting.append(req)
+            if params.processes_logits:
+                self._processed.add(rid)
+            if params.structured is None:
+                self.waiting.append(req)
+            else:
+                self._compiling[rid] = (req, self.grammars.compile(params.structured))
 
     def abort_request(self, rid: int) -> Finished | None:
         """Stop a request now; None if it is unknown or already finished."""
@@ -108,20 +135,51 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._in_flight)
+        return bool(self.waiting or self.running or self._in_flight or self._compiling)
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()
     def step(self) -> StepOutputs:
+        done = None
+        if (
+            self._in_flight is not None
+            and self.grammars.active
+            and any(self.grammars.has(r.rid) for r in self._in_flight.batch.reqs)
+        ):
+            done, self._in_flight = self._in_flight, None
+        out = self._process(done) if done else StepOutputs()
+        self._start_compiled()
         batch = self._schedule()
         launched = None
         if batch is not None:
             self.stats.steps += 1
             launched = _InFlight(batch, self.engine.forward(batch))
         if not self.config.overlap:
-            return self._process(launched) if launched else StepOutputs()
-        finished_step, self._in_flight = self._in_flight, launched
-        return self._process(finished_step) if finished_step else StepOutputs()
+            out = self._process(launched) if launched else out
+        else:
+            finished_step, self._in_flight = self._in_flight, launched
+            out = self._process(finished_step) if finished_step else out
+        out.errors, self._errors = self._errors, []
+        return out
+
+    def _start_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; those whose grammar failed end in error."""
+        if not self._compiling:
+            return
+        if not (self.waiting or self.running or self._in_flight):  # nothing else to do
+            futures = [future for _, future in self._compiling.values()]
+            wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
+        for rid, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                self.grammars.start(rid, future)
+            except ValueError as e:
+                del self._reqs[rid]
+                self._errors.append(ReqError(rid, str(e)))
+                continue
+            self.waiting.append(req)
 
     def _process(self, step: _InFlight) -> StepOutputs:
         host = step.output.wait()
@@ -139,6 +197,12 @@ class Scheduler:
             if out.logprobs is not None:
                 out.logprobs.append(_logprobs(host, i, req.params.logprobs))
             finish = self._token_finish(req)
+            if (
+                self.grammars.active
+                and self.grammars.has(req.rid)
+                and self.grammars.accept(req.rid, tokens[i])
+            ):
+                finish = finish or ("stop", tokens[i])  # the grammar is complete
             if finish is not None:
                 out.finished.append(self._finish(req, *finish))
         return out
@@ -258,6 +322,9 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason, matched: int | None) -> Finished:
         req.finish_reason = reason
         del self._reqs[req.rid]
+        self._compiling.pop(req.rid, None)
+        self._processed.discard(req.rid)
+        self.grammars.drop(req.rid)
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req.slot, req.token_ids[: req.cached_len])
@@ -286,10 +353,41 @@ class Scheduler:
                 if extend > 1:  # a prompt just finished: share its pages with later requests
                     self.kv.cache_prefix(req.slot, req.token_ids[: req.cached_len])
                 req.device_len += 1
+        # scanned only while some request processes its logits: it costs each step's host time
+        processed = (
+            [i for i in sample_rows if reqs[i].rid in self._processed] if self._processed else []
+        )
         return build_batch(
             reqs, prefix_lens, extend_lens, self.layout, sample_rows,
-            self.kv.take_page_writes(), self.tokens.take_writes(),
+            self.kv.take_page_writes(), self.tokens.take_writes(), processed,
+            self._token_masks(reqs, processed),
         )  # fmt: skip
+
+    def _token_masks(self, reqs: list[Req], processed: list[int]) -> TokenMasks | None:
+        """The masks of the rows that sample under a grammar, or before min_tokens (which holds
+        back eos and stop tokens)."""
+        rows = [
+            i
+            for i in processed
+            if self.grammars.has(reqs[i].rid) or reqs[i].num_sampled <= reqs[i].params.min_tokens
+        ]
+        if not rows:
+            return None
+        bits = np.full((len(rows), -(-self.layout.vocab_size // 32)), -1, dtype=np.int32)
+        words = bits.view(np.uint32)
+        for j, i in enumerate(rows):
+            req = reqs[i]
+            if self.grammars.has(req.rid):
+                assert len(req.token_ids) == req.device_len - 1, "its last token is on the host"
+                self.grammars.fill_mask(req.rid, bits, j)
+            if req.num_sampled <= req.params.min_tokens:
+                stops = set(req.params.stop_token_ids)
+                if not req.params.ignore_eos:
+                    stops |= self.eos_ids
+                for t in stops:
+                    if t < self.layout.vocab_size:  # stop ids past it are never sampled
+                        words[j, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        return TokenMasks(rows, bits)
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless the KV cache's accounting holds."""

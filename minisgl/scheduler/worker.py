@@ -103,7 +103,7 @@ class SchedulerWorker:
         aborted, errors = self.apply(messages)
         out = self.scheduler.step()
         out.finished[:0] = aborted
-        out.errors = errors
+        out.errors[:0] = errors
         idle = not self.scheduler.has_work
         if idle:
             self.check_integrity()
@@ -117,7 +117,12 @@ def run_scheduler(
 ) -> None:
     """The process entry point; runs until the process is terminated."""
     engine = Engine(engine_config)
-    scheduler = Scheduler(scheduler_config, engine, load_eos_token_ids(engine_config.model_path))
+    scheduler = Scheduler(
+        scheduler_config,
+        engine,
+        load_eos_token_ids(engine_config.model_path),
+        wait_for_grammars=engine_config.tp_size > 1,  # the ranks admit requests in lockstep
+    )
     if engine.device.type == "cuda":  # where kernels compile
         scheduler.warm_up()
     if engine_config.tp_rank == 0:

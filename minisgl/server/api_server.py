@@ -21,6 +21,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from minisgl.core import choice_params
 from minisgl.messages import Addresses, Ready, TokenizerAnswer, TokenizeRequest, TokenizerQuery
 
 from .args import ServerArgs
@@ -33,7 +34,6 @@ from .protocol import (
     CompletionRequest,
     DetokenizeBody,
     TokenizeBody,
-    choice_params,
     parse_body,
 )
 from .reasoning import REASONING_PARSERS
@@ -186,11 +186,20 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         args.limits.check(body.n, len(prompts), params.stop)
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(client.new_rids(len(prompts) * body.n), choices, prompts)
+        echo = None
+        if body.echo:  # each choice's text starts with its prompt's
+            texts = [p if isinstance(p, str) else await prompt_text(p) for p in prompts]
+            echo = [text for text in texts for _ in range(body.n)]
         return await generate(
             request, client, CompletionFormat(), args.served_model_name, tokenize, body.n,
             want_logprobs=body.logprobs is not None, stream=body.stream,
-            include_usage=body.include_usage, timeout=args.request_timeout,
+            include_usage=body.include_usage, timeout=args.request_timeout, echo=echo,
         )  # fmt: skip
+
+    async def prompt_text(ids: list[int]) -> str:
+        answer = await ask(TokenizerQuery(client.new_rids(1)[0], ids=ids))
+        assert answer.text is not None
+        return answer.text
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -211,6 +220,10 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             want_logprobs=body.logprobs, stream=body.stream, include_usage=body.include_usage,
             timeout=args.request_timeout,
         )  # fmt: skip
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        raise ApiError(404, "the Responses API is not served here; use /v1/chat/completions")
 
     return app
 

@@ -36,15 +36,18 @@ async def generate(
     stream: bool,
     include_usage: bool,
     timeout: float | None,
+    echo: list[str] | None = None,
 ) -> Response:
     """Run `tokenize`'s requests (n consecutive ones per prompt) and answer with one response.
     Its first items come before anything is answered: a request the engine refused (they are
-    admitted all or none) still gets its 400."""
+    admitted all or none) still gets its 400. echo: a text each choice's starts with."""
     group = client.submit(tokenize)
     run = _Run(client, group, fmt, model, n, want_logprobs, timeout)
     streaming = False
     try:
         first = await _until_disconnected(request, run.next_items())
+        if echo is not None:
+            first = [(i, Delta(text, 0, None)) for i, text in enumerate(echo)] + first
         if stream:
             streaming = True  # the stream aborts what is left of the group when it ends
             return StreamingResponse(

@@ -71,6 +71,30 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchema(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema: strict or not
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs (older: guided_json, guided_regex, ...): one of them."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _GenerateRequest(_Strict):
     """The fields completions and chat share."""
 
@@ -86,17 +110,62 @@ class _GenerateRequest(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
-    frequency_penalty: Float | None = None  # accepted only at their neutral value, 0
+    frequency_penalty: Float | None = None
     presence_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None  # token id (as a string) -> bias
+    min_tokens: Int64 | None = None
+    include_stop_str_in_output: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def _structured(self) -> StructuredOutput | None:
+        """The one output constraint given by response_format, structured_outputs or guided_*."""
+        given = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            given.append(StructuredOutput(json_object=True))
+        elif self.response_format is not None and self.response_format.type == "json_schema":
+            schema = self.response_format.json_schema
+            if schema is None or schema.schema_ is None:
+                raise ApiError(400, "response_format json_schema needs json_schema.schema")
+            given.append(StructuredOutput(json_schema=orjson.dumps(schema.schema_).decode()))
+        so = self.structured_outputs or StructuredOutputs()
+        so_fields = {
+            "json": so.json_ if so.json_ is not None else self.guided_json,
+            "regex": so.regex if so.regex is not None else self.guided_regex,
+            "choice": so.choice if so.choice is not None else self.guided_choice,
+            "grammar": so.grammar if so.grammar is not None else self.guided_grammar,
+        }
+        if so.json_object:
+            given.append(StructuredOutput(json_object=True))
+        if (schema := so_fields.pop("json")) is not None:
+            text = schema if isinstance(schema, str) else orjson.dumps(schema).decode()
+            given.append(StructuredOutput(json_schema=text))
+        try:
+            given += [StructuredOutput(**{k: v}) for k, v in so_fields.items() if v is not None]
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        if len(given) > 1:
+            raise ApiError(400, "give one output constraint: response_format, structured_outputs "
+                           "or guided_* name more than one")  # fmt: skip
+        return given[0] if given else None
+
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ApiError(400) for values SamplingParams rejects."""
-        if self.frequency_penalty or self.presence_penalty:
-            raise ApiError(400, "frequency_penalty and presence_penalty are not supported")
+        bias = None
+        if self.logit_bias is not None:
+            try:
+                bias = {int(token): value for token, value in self.logit_bias.items()}
+            except ValueError:
+                raise ApiError(400, "logit_bias keys must be token ids") from None
         given: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -108,20 +177,18 @@ class _GenerateRequest(_Strict):
             "ignore_eos": self.ignore_eos,
             "max_tokens": max_tokens,
             "logprobs": logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": bias,
+            "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured": self._structured(),
         }
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-
-
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The params of n independent choices: distinct seeds derived from a given seed (choice 0
-    keeps it, so n=1 and the first of n agree); without one, the scheduler draws a seed each."""
-    if params.seed is None:
-        return [params] * n
-    # wrapped into the 64-bit range SamplingParams accepts
-    return [replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63) for i in range(n)]
 
 
 class CompletionRequest(_GenerateRequest):
@@ -139,8 +206,8 @@ class CompletionRequest(_GenerateRequest):
         return list(self.prompt)  # type: ignore[arg-type]
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ApiError(400, "echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported (it needs prompt logprobs)")
         return self._params(self.max_tokens, self.logprobs)
 
 

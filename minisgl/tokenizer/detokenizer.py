@@ -3,8 +3,9 @@
 A piece is released only when it is final: never half of a multi-byte character (the decoder shows
 those as U+FFFD until the rest arrives), and never a tail that could still grow into a stop string.
 The stop strings are found here, in the text as it is decoded (with the prompt's last tokens as
-context, as the whole output is decoded): the text ends before the first one, and the pieces always
-concatenate to the final text.
+context, as the whole output is decoded): the text ends before the first one (or after it, with
+include_stop), none is looked for in the text of the first min_tokens tokens, and the pieces
+always concatenate to the final text.
 """
 
 from collections.abc import Sequence
@@ -23,9 +24,14 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_ids: Sequence[int],
         stop: tuple[str, ...] = (),
+        min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._stops = stop
+        self._min_tokens = min_tokens
+        self._include_stop = include_stop
+        self._searched = 0  # where the search for a stop string may start
         # the longest tail that may still become a stop string: held back until it cannot
         self._hold = max(map(len, stop), default=1) - 1
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])  # only the ids still to be decoded again
@@ -64,10 +70,14 @@ class IncrementalDetokenizer:
         if new or finished:
             self._ids.extend(new)
             self._read(final=finished)
-        found = self._find_stop(max(0, scanned - self._hold))
+        found = None
+        if self.num_tokens > self._min_tokens:
+            found = self._find_stop(max(self._searched, scanned - self._hold))
+        else:
+            self._searched = len(self.text)
         if found is not None:
             cut, self.matched_stop = found
-            self.text = self.text[:cut]
+            self.text = self.text[: cut + len(self.matched_stop) if self._include_stop else cut]
         end = (
             len(self.text)
             if finished or found

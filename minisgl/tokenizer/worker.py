@@ -19,7 +19,7 @@ from pathlib import Path
 
 import zmq
 
-from minisgl.core import check_prompt
+from minisgl.core import SamplingParams, check_prompt
 from minisgl.messages import (
     AbortRequest,
     AddRequests,
@@ -44,7 +44,7 @@ from .detokenizer import IncrementalDetokenizer
 from .loader import Tokenizer, load_tokenizer, prompt_ids
 
 # (rid, prompt ids, stop strings): a request the detokenize thread is to expect
-NewRequest = tuple[int, list[int], tuple[str, ...]]
+NewRequest = tuple[int, list[int], SamplingParams]
 
 
 class Tokenize:
@@ -76,17 +76,14 @@ class Tokenize:
             ]
             for ids in prompts:  # rejected here, before queuing, by the scheduler's own rule
                 check_prompt(
-                    ids,
-                    self.limits.max_seq_len,
-                    self.limits.vocab_size,
-                    request.params[0].max_tokens,
+                    ids, self.limits.max_seq_len, self.limits.vocab_size, request.params[0]
                 )
         except Exception as e:  # a template or a prompt that fails in any way fails this request
             return TextOutputs(errors=[ReqError(rid, str(e)) for rid in request.rids])
         rids = [request.rids[i * choices : (i + 1) * choices] for i in range(len(prompts))]
         for ids, prompt_rids in zip(prompts, rids, strict=True):
             for rid, params in zip(prompt_rids, request.params, strict=True):
-                self._new.put((rid, ids, params.stop))
+                self._new.put((rid, ids, params))
         return AddRequests(prompts, rids, [request.params] * len(prompts))
 
     def answer(self, query: TokenizerQuery) -> TokenizerAnswer:
@@ -120,8 +117,14 @@ class Detokenize:
     def __call__(self, out: StepOutputs) -> tuple[TextOutputs, list[int]]:
         """The step's text, and the requests a stop string ended (to stop in the scheduler)."""
         while not self._new.empty():
-            rid, ids, stop = self._new.get_nowait()
-            self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, stop)
+            rid, ids, params = self._new.get_nowait()
+            self.detoks[rid] = IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                params.stop,
+                params.min_tokens,
+                params.include_stop_str_in_output,
+            )
         ended = {f.rid: f for f in out.finished}
         text = TextOutputs(errors=out.errors, load=out.load)
         if out.logprobs is not None:

@@ -86,8 +86,31 @@ FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
         st.lists(st.integers(max_value=-1) | HUGE, min_size=1, max_size=4),
     ),
     "ignore_eos": (st.booleans(), TEXT),
-    "frequency_penalty": (st.just(0.0), st.floats()),
-    "presence_penalty": (st.just(0.0), st.floats()),
+    "frequency_penalty": (st.floats(-2, 2), st.floats()),
+    "presence_penalty": (st.floats(-2, 2), st.floats()),
+    "repetition_penalty": (st.floats(0.01, 2), st.floats(max_value=0) | NON_FINITE),
+    "logit_bias": (
+        st.dictionaries(TOKEN_IDS.map(str), st.floats(-100, 100), max_size=4),
+        st.dictionaries(TEXT, st.floats() | TEXT, min_size=1, max_size=4),
+    ),
+    "min_tokens": (st.integers(0, 4), st.integers(max_value=-1) | HUGE),
+    "include_stop_str_in_output": (st.booleans(), TEXT),
+    "structured_outputs": (
+        st.fixed_dictionaries({"regex": st.sampled_from(["[ab]{1,4}", "(yes|no)"])})
+        | st.fixed_dictionaries({"choice": st.lists(TEXT.filter(bool), min_size=1, max_size=3)}),
+        st.fixed_dictionaries({"regex": TEXT | SURROGATES})
+        | st.fixed_dictionaries({"grammar": TEXT})
+        | st.fixed_dictionaries({"json": JSON_VALUES}),
+    ),
+    "response_format": (
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("json_schema"),
+                "json_schema": st.fixed_dictionaries({"schema": JSON_VALUES}),
+            }
+        ),
+    ),
     "user": (TEXT, SURROGATES),
 }
 PROMPTS = (

@@ -1,0 +1,137 @@
+"""The sampling and output fields through a real server and the official `openai` client, each
+checked against the offline engine with the same parameters: penalties, logit_bias, min_tokens,
+include_stop_str_in_output, echo; and /v1/responses answered with a 404 in OpenAI's shape."""
+
+import httpx
+import openai
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.utils import DEFAULT_MODEL_PATH
+
+from .conftest import DEVICE
+from .server_process import ServerProcess
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    s = ServerProcess(tmp_path_factory.mktemp("fields"), "--served-model-name", "m")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(DEFAULT_MODEL_PATH, device=DEVICE, dtype="float32", max_kv_tokens=2048)
+
+
+def _text(server: ServerProcess, **fields) -> openai.types.CompletionChoice:
+    extra = {k: fields.pop(k) for k in list(fields) if k in _EXTRA}
+    r = server.client().completions.create(
+        model="m", prompt=PROMPT, temperature=0, extra_body=extra, **fields
+    )
+    return r.choices[0]
+
+
+_EXTRA = {"repetition_penalty", "min_tokens", "include_stop_str_in_output", "top_k"}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 1.2},
+        {"repetition_penalty": 1.4},
+        {"presence_penalty": -0.5, "frequency_penalty": 0.7, "repetition_penalty": 0.8},
+    ],
+)
+def test_penalties_change_the_text_as_offline(server: ServerProcess, llm: LLM, fields) -> None:
+    want = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=40, **fields), use_tqdm=False
+    )[0]
+    plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    assert want["token_ids"] != plain[0]["token_ids"]
+    assert _text(server, max_tokens=40, **fields).text == want["text"]
+
+
+def test_logit_bias_and_min_tokens_as_offline(server: ServerProcess, llm: LLM) -> None:
+    token = llm.tokenizer.encode(" dog", add_special_tokens=False)[-1]
+    forced = _text(server, max_tokens=5, logit_bias={str(token): 100})
+    offline = SamplingParams(temperature=0, max_tokens=5, logit_bias={token: 100})
+    want_forced = llm.generate([PROMPT], offline, use_tqdm=False)[0]
+    assert want_forced["token_ids"] == [token] * 5
+    assert forced.text == want_forced["text"]
+    eos = llm.tokenizer.eos_token_id
+    free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=300), use_tqdm=False)
+    free_ids = free[0]["token_ids"]
+    # eos is held back: with a stop token from the text instead, which would end it at once
+    stop = free_ids[2]
+    held = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop], min_tokens=10)
+    want = llm.generate([PROMPT], held, use_tqdm=False)[0]
+    got = server.client().completions.create(
+        model="m", prompt=PROMPT, temperature=0, max_tokens=20,
+        extra_body={"min_tokens": 10, "stop_token_ids": [stop]},
+    ).choices[0]  # fmt: skip
+    assert got.text == want["text"]
+    assert len(want["token_ids"]) >= 10 and stop not in want["token_ids"][:10]
+    assert eos not in want["token_ids"][:10]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(server: ServerProcess) -> None:
+    without = _text(server, max_tokens=30, stop=[" was"])
+    with_stop = _text(server, max_tokens=30, stop=[" was"], include_stop_str_in_output=True)
+    assert with_stop.text == without.text + " was"
+    assert with_stop.finish_reason == without.finish_reason == "stop"
+    stream = server.client().completions.create(
+        model="m", prompt=PROMPT, temperature=0, max_tokens=30, stop=[" was"], stream=True,
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in stream) == with_stop.text
+
+
+def test_stop_strings_wait_for_min_tokens(server: ServerProcess) -> None:
+    free = _text(server, max_tokens=30).text
+    word = free.split()[1]
+    early = _text(server, max_tokens=30, stop=[word])
+    late = _text(server, max_tokens=30, stop=[word], min_tokens=25)
+    assert len(early.text) < len(late.text)
+
+
+def test_echo_prepends_the_prompt_text_and_token_prompts_decode(
+    server: ServerProcess, llm: LLM
+) -> None:
+    plain = _text(server, max_tokens=6)
+    echoed = _text(server, max_tokens=6, echo=True)
+    assert echoed.text == PROMPT + plain.text
+    ids = llm.tokenizer.encode(PROMPT)
+    by_ids = server.client().completions.create(
+        model="m", prompt=ids, temperature=0, max_tokens=6, echo=True
+    )
+    assert by_ids.choices[0].text.endswith(plain.text)
+    assert PROMPT in by_ids.choices[0].text
+    stream = server.client().completions.create(
+        model="m", prompt=PROMPT, temperature=0, max_tokens=6, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == echoed.text
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        _text(server, max_tokens=6, echo=True, logprobs=1)
+
+
+def test_responses_api_is_a_404_in_openais_shape(server: ServerProcess) -> None:
+    r = httpx.post(server.url + "/v1/responses", json={"model": "m", "input": "hi"}, timeout=10)
+    assert r.status_code == 404
+    assert "chat/completions" in r.json()["error"]["message"]
+
+
+def test_min_tokens_with_a_stop_id_past_the_vocabulary_is_served(server: ServerProcess) -> None:
+    """Found by the fuzzer: holding back a stop id the model cannot sample crashed the mask."""
+    c = server.client().completions.create(
+        model="m",
+        prompt=PROMPT,
+        max_tokens=4,
+        extra_body={"min_tokens": 2, "stop_token_ids": [10**6]},
+    )
+    assert c.usage.completion_tokens == 4
+    assert _text(server, max_tokens=2).text

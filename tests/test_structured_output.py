@@ -1,0 +1,209 @@
+"""Structured output (xgrammar) on a random Qwen3 with the real Qwen3 tokenizer: every output
+follows its constraint, through the server with the official `openai` client and offline; overlap
+on and off give the same tokens; a constraint that does not compile is a 400, and the engine
+keeps serving without a page leaked.
+
+Random weights cannot be relied on to close a free-form JSON value, so the schemas are bounded
+(maxLength, enum, maxItems, integer ranges, no extra properties) and max_tokens is above the
+longest output each allows."""
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.core import StructuredOutput
+from minisgl.tokenizer.loader import load_tokenizer
+
+from .conftest import DEVICE
+from .server_process import ServerProcess
+
+MAX_KV_TOKENS = 1024  # also the context: the random Qwen3 knows 1024 positions
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["tags", "ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": -5, "maximum": 5},
+                    "y": {"type": "number", "minimum": 0, "maximum": 1},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "label": {"enum": ["a", "b", None]},
+        },
+        "required": ["point", "label"],
+        "additionalProperties": False,
+    },
+]
+# a number's digits and a string's escapes are the unbounded part: \uXXXX is six characters
+MAX_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_path: str, tmp_path_factory: pytest.TempPathFactory):
+    s = ServerProcess(
+        tmp_path_factory.mktemp("structured"),
+        "--model", qwen3_path, "--served-model-name", "q",
+        "--max-kv-tokens", str(MAX_KV_TOKENS), "--max-model-len", str(MAX_KV_TOKENS),
+    )  # fmt: skip
+    yield s
+    s.stop()
+
+
+def test_fifty_sampled_json_schema_outputs_all_validate(server: ServerProcess) -> None:
+    client = server.async_client()
+
+    async def one(i: int) -> tuple[dict, str, str]:
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        r = await client.chat.completions.create(
+            model="q",
+            messages=[{"role": "user", "content": f"Give me JSON number {i}"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": schema, "strict": True},
+            },
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=i,
+        )
+        return schema, r.choices[0].message.content, r.choices[0].finish_reason
+
+    async def run_all() -> list[tuple[dict, str, str]]:
+        try:
+            return await asyncio.gather(*(one(i) for i in range(50)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    for schema, text, finish in results:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+        # no free whitespace: one space after each separator, as json.dumps writes it
+        outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+        assert not re.search(r"\s", re.sub(r"(?<=[,:]) ", "", outside_strings)), text
+    assert len({text for _, text, _ in results}) > 25  # sampled, not one answer
+
+
+def test_json_object_regex_and_choice_hold(server: ServerProcess, qwen3_path: str) -> None:
+    client = server.client()
+    tokens = {t: i for t, i in _vocab(qwen3_path).items() if t in ("{", "}")}
+    # random weights never close a free-form object: the bias closes it, the grammar shapes it
+    r = client.chat.completions.create(
+        model="q",
+        messages=[{"role": "user", "content": "JSON please"}],
+        response_format={"type": "json_object"},
+        logit_bias={str(i): 100 for i in tokens.values()},
+        max_tokens=20,
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    pattern = r"(yes|no), [0-9]{1,3}!"
+    for seed in range(5):
+        c = client.completions.create(
+            model="q", prompt="Answer:", max_tokens=30, seed=seed,
+            extra_body={"structured_outputs": {"regex": pattern}},
+        )  # fmt: skip
+        assert re.fullmatch(pattern, c.choices[0].text), c.choices[0].text
+        assert c.choices[0].finish_reason == "stop"
+    choices = ["alpha", "beta gamma", "δέλτα"]
+    for seed in range(5):
+        c = client.completions.create(
+            model="q", prompt="Pick:", max_tokens=30, seed=seed,
+            extra_body={"guided_choice": choices},
+        )  # fmt: skip
+        assert c.choices[0].text in choices
+
+
+def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_serves_on(
+    server: ServerProcess,
+) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="invalid structured output"):
+        client.completions.create(
+            model="q", prompt="x", max_tokens=5, extra_body={"structured_outputs": {"regex": "("}}
+        )
+    with pytest.raises(openai.BadRequestError, match="give one output constraint"):
+        client.completions.create(
+            model="q", prompt="x", max_tokens=5,
+            extra_body={"guided_regex": "a", "guided_choice": ["a"]},
+        )  # fmt: skip
+    ok = client.completions.create(model="q", prompt="x", max_tokens=5)
+    assert ok.usage.completion_tokens >= 1
+
+
+def _vocab(qwen3_path: str) -> dict[str, int]:
+    return load_tokenizer(Path(qwen3_path)).get_vocab()
+
+
+@pytest.fixture(scope="module")
+def llms(qwen3_path: str) -> dict[bool, LLM]:
+    return {
+        overlap: LLM(
+            qwen3_path,
+            device=DEVICE,
+            dtype="float32",
+            max_kv_tokens=MAX_KV_TOKENS,
+            max_model_len=MAX_KV_TOKENS,
+            overlap=overlap,
+        )
+        for overlap in (True, False)
+    }
+
+
+def test_offline_constrained_batch_is_the_same_with_overlap_on_and_off(
+    llms: dict[bool, LLM],
+) -> None:
+    """Constrained and free rows in one batch: the constrained ones follow their schemas, and
+    every row's tokens are the same whether step k+1 is built while step k computes or not."""
+    params = [
+        SamplingParams(
+            seed=i, max_tokens=MAX_TOKENS,
+            structured=StructuredOutput(json_schema=json.dumps(SCHEMAS[i % 3])),
+        )
+        for i in range(6)
+    ] + [SamplingParams(seed=9, max_tokens=40), SamplingParams(temperature=0, max_tokens=40)]  # fmt: skip
+    prompts = [f"Item {i}:" for i in range(len(params))]
+    runs = {k: llm.generate(prompts, params, use_tqdm=False) for k, llm in llms.items()}
+    assert [r["token_ids"] for r in runs[True]] == [r["token_ids"] for r in runs[False]]
+    for i, result in enumerate(runs[True][:6]):
+        jsonschema.validate(json.loads(result["text"]), SCHEMAS[i % 3])
+    for llm in llms.values():
+        llm.scheduler.check_integrity()
+        assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
+
+
+def test_offline_constraint_that_does_not_compile_raises_and_leaks_nothing(
+    llms: dict[bool, LLM],
+) -> None:
+    llm = llms[True]
+    bad = SamplingParams(structured=StructuredOutput(grammar="root ::= undefined_rule"))
+    with pytest.raises(ValueError, match="invalid structured output"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=5), bad], use_tqdm=False)
+    assert not llm.scheduler.has_work
+    llm.scheduler.check_integrity()
+    assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
