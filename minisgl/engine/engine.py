@@ -226,7 +226,7 @@ class Engine:
 
 def upload(host: BatchInputs, device: torch.device) -> BatchInputs[torch.Tensor]:
     """A batch's host inputs on the device, in one transfer."""
-    return BatchInputs(**pack_to_device(device, torch.int32, **host.columns()))
+    return BatchInputs(**pack_to_device(device, torch.int32, **vars(host)))
 
 
 def _forward_step(

@@ -90,11 +90,14 @@ class GraphRunner:
         """The first `rows` columns of size `padded`'s static inputs, of which the first
         `num_writes` page writes (a captured size's own: all of them)."""
         block = dict(zip(_ROWS, self._inputs[padded], strict=True))
-        views = {name: t[:rows] for name, t in block.items() if name not in _PAGE_WRITES}
-        if num_writes > 0:
-            views |= {name: block[name][:num_writes] for name in _PAGE_WRITES}
+        views = {n: t[: num_writes if n in _PAGE_WRITES else rows] for n, t in block.items()}
+        no_writes = self._rows[:0]
         return BatchInputs(
-            cu_seqlens_q=self._rows[: rows + 1], last_indices=self._rows[:rows], **views
+            cu_seqlens_q=self._rows[: rows + 1],
+            last_indices=self._rows[:rows],
+            token_write_entries=no_writes,
+            token_write_values=no_writes,
+            **views,
         )
 
     def _capture_all(self, device: torch.device) -> None:
@@ -119,8 +122,8 @@ class GraphRunner:
         return (
             batch.is_decode
             and batch.size <= self.max_bs
-            and batch.num_token_writes == 0
-            and batch.num_page_writes <= batch.size
+            and len(batch.inputs.token_write_entries) == 0
+            and len(batch.inputs.page_write_entries) <= batch.size
         )
 
     def _static_sampling(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,11 +144,10 @@ class GraphRunner:
             self._sampling_is_zero = True
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         image = self._images[padded].copy()  # a fresh array: the last one may still be in flight
-        columns = batch.inputs.columns()
-        num_writes = batch.num_page_writes
+        columns = vars(batch.inputs)
+        num_writes = len(batch.inputs.page_write_entries)
         for i, row in enumerate(_ROWS):
-            if row in columns:
-                image[i, : num_writes if row in _PAGE_WRITES else bs] = columns[row]
+            image[i, : num_writes if row in _PAGE_WRITES else bs] = columns[row]
         copy_to_device(torch.from_numpy(image), self._inputs[padded])
         logits, tokens = self.replay(padded)
         return logits[:bs], tokens[:bs], self.static_inputs(padded, bs, num_writes)
