@@ -14,7 +14,7 @@ from dataclasses import fields
 import numpy as np
 import torch
 
-from minisgl.core import Batch, BatchInputs
+from minisgl.core import Batch, BatchInputs, EngineLayout
 from minisgl.utils import init_logger
 from minisgl.utils.torch_utils import copy_to_device
 
@@ -48,9 +48,7 @@ class GraphRunner:
         self,
         step: StepFn,
         max_bs: int,
-        dummy_slot: int,
-        page_table_width: int,
-        token_table_width: int,
+        layout: EngineLayout,
         dummy_loc: int,
         device: torch.device,
     ) -> None:
@@ -60,10 +58,12 @@ class GraphRunner:
         # Padding rows: any token at position 0 of the dummy slot, reading and rewriting the dummy
         # page's entry, its sampled token going to the token table's sink row (the dummy slot's
         # row there). A request without a page write of its own rewrites the dummy entry too.
-        dummy_entry = dummy_slot * page_table_width
+        dummy_slot = layout.sink_slot
+        dummy_entry = dummy_slot * layout.page_table_width
         padding_row = {  # longest_first: set per column below
             "positions": 0, "token_entries": 0, "page_entries": dummy_entry, "slots": dummy_slot,
-            "seq_lens": 1, "longest_first": 0, "sample_entries": dummy_slot * token_table_width,
+            "seq_lens": 1, "longest_first": 0,
+            "sample_entries": dummy_slot * layout.token_table_width,
             "page_write_entries": dummy_entry, "page_write_values": dummy_loc,
         }  # fmt: skip
         padding = np.array([[padding_row[row]] for row in _ROWS], dtype=np.int32)
