@@ -78,7 +78,7 @@ class Engine:
         self.attn_backend_name = ATTENTION_BACKENDS.resolve(
             config.attention_backend, self.device.type
         )
-        self.attn_backend: AttentionBackend = ATTENTION_BACKENDS.get(self.attn_backend_name)(
+        self.attn_backend = ATTENTION_BACKENDS.get(self.attn_backend_name)(
             self.pool, self.page_table
         )
         self.sampler = Sampler(self.model_config.vocab_size, self.device)
