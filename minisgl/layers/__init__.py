@@ -9,7 +9,7 @@ from .linear import (
     local_kv_heads,
 )
 from .norm import RMSNorm
-from .rotary import RotaryEmbedding, get_rope, set_rope_device
+from .rotary import get_rope, set_rope_device
 
 __all__ = [
     "AttentionLayer",
@@ -21,7 +21,6 @@ __all__ = [
     "OPList",
     "ParallelLMHead",
     "RMSNorm",
-    "RotaryEmbedding",
     "StateLessOP",
     "VocabParallelEmbedding",
     "get_rope",

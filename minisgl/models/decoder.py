@@ -9,6 +9,7 @@ from minisgl.layers import (
     LinearColParallelMerged,
     LinearOProj,
     LinearQKVMerged,
+    LinearRowParallel,
     OPList,
     ParallelLMHead,
     RMSNorm,
@@ -16,7 +17,6 @@ from minisgl.layers import (
     get_rope,
     local_kv_heads,
 )
-from minisgl.layers.linear import LinearRowParallel
 from minisgl.utils import div_even
 
 from .config import ModelConfig
