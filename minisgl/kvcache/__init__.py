@@ -24,6 +24,6 @@ def require(ok: bool, message: str) -> None:
 
 PREFIX_CACHES: Registry[PrefixCache] = Registry("prefix cache")
 PREFIX_CACHES.register("radix", "minisgl.kvcache.radix_cache:RadixCache")
-PREFIX_CACHES.register("naive", "minisgl.kvcache.prefix_cache:NaiveCache")
+PREFIX_CACHES.register("naive", "minisgl.kvcache.radix_cache:NaiveCache")
 
 __all__ = ["PREFIX_CACHES", "IntegrityError", "require"]

@@ -187,3 +187,11 @@ class RadixCache(PrefixCache):
         require(len(pages) == len(set(pages)) == self._num_cached, "a page is cached twice")
         locked = sum(len(n.pages) for n in nodes if n.lock_ref > 0)
         require(locked == self._num_locked, "the locked-page count is off")
+
+
+class NaiveCache(RadixCache):
+    """No reuse: nothing is ever inserted, so the tree stays empty, every request computes its
+    whole prompt and every page a request gives up is freed."""
+
+    def insert(self, ids: Sequence[int], pages: list[int]) -> tuple[RadixNode, list[int]]:
+        return self.root, list(pages)
