@@ -3,7 +3,6 @@ from .base import BaseOP, OPList, StateLessOP
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .linear import (
     LinearColParallelMerged,
-    LinearOProj,
     LinearQKVMerged,
     LinearRowParallel,
     local_kv_heads,
@@ -15,7 +14,6 @@ __all__ = [
     "AttentionLayer",
     "BaseOP",
     "LinearColParallelMerged",
-    "LinearOProj",
     "LinearQKVMerged",
     "LinearRowParallel",
     "OPList",

@@ -77,10 +77,3 @@ class LinearRowParallel(_LinearTPImpl):
         if self._tp_size == 1:
             return linear_split_k(x, self.weight)
         return self._comm.all_reduce(linear(x, self.weight))
-
-
-class LinearOProj(LinearRowParallel):
-    """The attention output projection: row-parallel over the heads this rank holds."""
-
-    def __init__(self, num_qo_heads: int, head_dim: int, hidden_size: int) -> None:
-        super().__init__(num_qo_heads * head_dim, hidden_size)
