@@ -28,11 +28,10 @@ StepFn = Callable[[bool, BatchInputs[torch.Tensor], object, Sampling], tuple[tor
 # The rows of a captured size's static input block: a decode batch's inputs with one entry per
 # request (its page-table writes too: a decode adds at most one page per request). cu_seqlens_q
 # and last_indices of a decode are ranges, and a batch a graph runs writes no token ids.
-_RANGES = ("cu_seqlens_q", "last_indices")
 _ROWS = tuple(
     f.name
     for f in fields(BatchInputs)
-    if f.name not in (*_RANGES, "token_write_entries", "token_write_values")
+    if f.name not in ("cu_seqlens_q", "last_indices", "token_write_entries", "token_write_values")
 )
 _PAGE_WRITES = ("page_write_entries", "page_write_values")
 
