@@ -35,9 +35,6 @@ class RadixCache(PrefixCache):
         self._num_locked = 0  # pages in nodes with lock_ref > 0
 
     # ------------------------------------------------------------------ queries
-    def _first_page(self, ids: Sequence[int], start: int) -> tuple[int, ...]:
-        return tuple(ids[start : start + self.page_size])
-
     def _common_pages(self, node: RadixNode, ids: Sequence[int], start: int) -> int:
         """How many whole pages of node.key equal ids[start:]."""
         ps = self.page_size
@@ -59,7 +56,7 @@ class RadixCache(PrefixCache):
         node, pages, pos, now = self.root, [], 0, next(self._clock)
         node.last_access = now
         while pos + self.page_size <= len(ids):
-            child = node.children.get(self._first_page(ids, pos))
+            child = node.children.get(tuple(ids[pos : pos + self.page_size]))
             if child is None:
                 break
             n = self._common_pages(child, ids, pos)
