@@ -80,7 +80,7 @@ for part in "$@"; do
     pdl) without_pdl ;;
     baseline)  # bench and latency of another tree, for an A/B in one call: carry .baseline, made
       # with `git archive REV minisgl benchmark | tar -x -C .baseline`
-      (cd .baseline && export PYTHONPATH="$PWD:$OLDPWD/.site" &&
+      (ln -sfn ../tests .baseline/tests && cd .baseline && export PYTHONPATH="$PWD:$OLDPWD/.site" &&
         step baseline_bench 300 python3 benchmark/offline/bench.py --skip-hf &&
         step baseline_latency 240 python3 benchmark/offline/latency.py) ;;
     tests)  # four workers (the image has pytest-xdist), a module per worker, failures listed last

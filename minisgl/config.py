@@ -76,13 +76,10 @@ def check_positive(config: Any, *names: str, optional: bool = False) -> None:
             raise ConfigError(f"{name} must be an integer >= 1, not {value!r}")
 
 
-def field_names(cls: type) -> set[str]:
-    return {f.name for f in fields(cls)}
-
-
 def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(EngineConfig fields, SchedulerConfig fields) of `overrides`; an unknown name raises."""
-    engine_names, scheduler_names = field_names(EngineConfig), field_names(SchedulerConfig)
+    engine_names = {f.name for f in fields(EngineConfig)}
+    scheduler_names = {f.name for f in fields(SchedulerConfig)}
     unknown = sorted(set(overrides) - engine_names - scheduler_names - {"model_path"})
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")

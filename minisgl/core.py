@@ -306,15 +306,11 @@ class BatchInputs(Generic[Column]):
     cu_seqlens_q: Column  # [size + 1]: request i computes rows cu[i]:cu[i + 1]
     last_indices: Column  # row of each request's last new token
     sample_entries: Column  # token-table entry of its sampled token
-    # (flat entries, values) written into the tables before the step reads them
-    page_write_entries: Column | None = None
-    page_write_values: Column | None = None
-    token_write_entries: Column | None = None
-    token_write_values: Column | None = None
-
-    def columns(self) -> dict[str, Column]:
-        """Every input present, by name, in declaration order."""
-        return {name: v for name, v in vars(self).items() if v is not None}
+    # (flat entries, values) written into the tables before the step reads them; empty: none
+    page_write_entries: Column
+    page_write_values: Column
+    token_write_entries: Column
+    token_write_values: Column
 
 
 @dataclass(frozen=True)
@@ -354,13 +350,3 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.reqs)
-
-    @property
-    def num_page_writes(self) -> int:
-        entries = self.inputs.page_write_entries
-        return 0 if entries is None else len(entries)
-
-    @property
-    def num_token_writes(self) -> int:
-        entries = self.inputs.token_write_entries
-        return 0 if entries is None else len(entries)

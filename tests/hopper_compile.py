@@ -101,9 +101,8 @@ def call_every_wrapper() -> None:
     ops.sample_tokens(logits, ints(64), ints(2), ints(2), host_table=ints(64))
     sampling = (torch.ones(2), torch.full((2,), 0.5))
     ops.sample_tokens(logits, ints(64), ints(2), ints(2), *sampling, host_table=ints(64))
-    writes = (ints(3), ints(3))
-    ops.read_tables(page_table, ints(64), writes, writes, ints(3), ints(3))
-    ops.read_tables(page_table, ints(64), None, None, ints(3), ints(3))
+    for writes in ((ints(3), ints(3)), (ints(0), ints(0))):
+        ops.read_tables(page_table, ints(64), writes, writes, ints(3), ints(3))
 
 
 if __name__ == "__main__":

@@ -223,7 +223,7 @@ def test_max_running_requests_bounds_the_batch(model_path, workload, reference) 
 
 def test_generation_stops_at_the_context_length(model_path) -> None:
     llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=64, max_model_len=64)
-    assert llm.engine.max_seq_len == 64
+    assert llm.engine.layout.max_seq_len == 64
     rest = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)  # the whole context
     out = llm.generate([[5] * 60], rest, use_tqdm=False)
     assert out[0]["finish_reason"] == "length" and len(out[0]["token_ids"]) == 4
@@ -367,8 +367,9 @@ def test_graph_runner_pads_what_a_smaller_batch_leaves_of_a_larger_ones_inputs(m
     decode(12, 12)
     decode(9, 2)
     static = runner.static_inputs(16, 16, 16)
-    dummy_entry = engine.dummy_slot * width
-    assert static.slots.tolist() == list(range(9)) + [engine.dummy_slot] * 7
+    dummy_slot = engine.layout.sink_slot
+    dummy_entry = dummy_slot * width
+    assert static.slots.tolist() == list(range(9)) + [dummy_slot] * 7
     assert static.positions.tolist() == [8] * 9 + [0] * 7
     assert static.longest_first.tolist() == list(range(16))
     assert static.page_write_entries.tolist() == [8, width + 8] + [dummy_entry] * 14

@@ -131,3 +131,12 @@ def test_constrained_and_penalised_rows_in_cuda_graphs_with_overlap_on_and_off(c
             jsonschema.validate(json.loads(o["text"]), schema)
         del llm
     assert tokens[True] == tokens[False]
+
+
+def test_one_running_request_builds_and_generates(checkpoint) -> None:
+    """latency.py's engine: the warm-up's two-request prefill does not fit one slot, and is
+    left out (it overran the sampling kernel's per-slot counters)."""
+    path = checkpoint("qwen3", max_position_embeddings=1024)
+    llm = LLM(str(path), dtype="bfloat16", max_kv_tokens=4096, max_running_requests=1)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 4

@@ -444,7 +444,8 @@ def test_read_tables_applies_the_writes_before_reading(with_writes):
     )
     ints = lambda *values: torch.tensor(values, dtype=torch.int32, device=DEVICE)
     token_entries, page_entries = ints(5, 41, 300, 359), ints(7, 41, 80, 359)
-    writes = (None, None)
+    no_writes = (ints(), ints())
+    writes = (no_writes, no_writes)
     if with_writes:  # entries the reads then take (41, 359), and some they do not
         writes = ((ints(41, 2, 359), ints(-1, -2, -3)), (ints(300, 41, 6), ints(-4, -5, -6)))
     want = torch_ops.read_tables(

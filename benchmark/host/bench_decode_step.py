@@ -35,10 +35,12 @@ def time_steps(
     kv = KVCacheManager(batch_size * width, 1, width, "radix")
     params = SamplingParams(temperature=temperature)
     reqs = [Req(i, [1] * context, params, seed=i, slot=i) for i in range(batch_size)]
-    sampler = Sampler(VOCAB_SIZE, device)
+    token_table = torch.zeros((batch_size + 1, width), dtype=torch.int32, device=device)
+    sampler = Sampler(VOCAB_SIZE, device, token_table)
     for req in reqs:
         kv.admit(req.slot, [])
-        assert kv.reserve(req.slot, context)
+        if not kv.reserve(req.slot, context):
+            raise RuntimeError("the pool is sized to hold every request")
     kv.take_page_writes()  # the prompts' pages: written by their prefill, not timed here
     lens = [context] * batch_size
     seconds = []
@@ -46,7 +48,8 @@ def time_steps(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        assert kv.reserve_all([(req.slot, n + 1) for req, n in zip(reqs, lens, strict=True)])
+        if not kv.reserve_all([(req.slot, n + 1) for req, n in zip(reqs, lens, strict=True)]):
+            raise RuntimeError("the pool is sized to hold every request")
         writes = kv.take_page_writes()
         batch = build_batch(reqs, lens, [1] * batch_size, layout, None, writes)
         upload(batch.inputs, device)  # what the engine does in an eager step; a graph copies alike

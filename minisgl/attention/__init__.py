@@ -1,8 +1,14 @@
 """Attention backends over the paged KV pool, chosen by name (`--attention-backend`)."""
 
+from __future__ import annotations
+
 import os
+from typing import TYPE_CHECKING
 
 from minisgl.utils.registry import Registry
+
+if TYPE_CHECKING:
+    from .base import AttentionBackend
 
 
 def _triton_runs_on(device_type: str) -> bool:
@@ -10,7 +16,7 @@ def _triton_runs_on(device_type: str) -> bool:
     return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-ATTENTION_BACKENDS: Registry = Registry(
+ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry(
     "attention backend", auto={"cuda": "triton", "cpu": "torch"}
 )
 ATTENTION_BACKENDS.register("torch", "minisgl.attention.torch_backend:TorchBackend")

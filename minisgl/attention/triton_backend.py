@@ -47,10 +47,9 @@ class TritonBackend(AttentionBackend):
         if batch.is_decode:
             return None
         block_req, block_start = extend_blocks(batch.extend_lens)
-        t = pack_to_device(
-            self.page_table.device, torch.int32, block_req=block_req, block_start=block_start
-        )
-        return ExtendMetadata(block_req=t["block_req"], block_start=t["block_start"])
+        device = self.page_table.device
+        t = pack_to_device(device, torch.int32, block_req=block_req, block_start=block_start)
+        return ExtendMetadata(**t)
 
     def forward(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)

@@ -1,18 +1,19 @@
+"""The collectives a TP layer needs, over the default process group (gloo on CPU, NCCL on GPU)."""
+
 import torch
 import torch.distributed as dist
 
 
-class DistributedCommunicator:
-    """The collectives a TP layer needs, over the default process group (gloo on CPU, NCCL on GPU)."""
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sums every rank's `x` into it, in place."""
+    dist.all_reduce(x)
+    return x
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
-        return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenates every rank's `x` along dimension 0."""
-        out = torch.empty(
-            (dist.get_world_size() * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device
-        )
-        dist.all_gather_into_tensor(out, x.contiguous())
-        return out
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Concatenates every rank's `x` along dimension 0."""
+    out = torch.empty(
+        (dist.get_world_size() * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device
+    )
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out

@@ -8,10 +8,6 @@ class TPInfo:
     rank: int
     size: int
 
-    @property
-    def is_primary(self) -> bool:
-        return self.rank == 0
-
 
 _TP_INFO: TPInfo | None = None
 

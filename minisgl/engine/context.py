@@ -39,16 +39,10 @@ def load_inputs(
     """The first thing a forward does (inside the CUDA graph when one replays): apply the batch's
     table writes, then read its input ids and KV locations (out_loc) from the tables."""
     return read_tables(
-        page_table, token_table, _writes(inputs.page_write_entries, inputs.page_write_values),
-        _writes(inputs.token_write_entries, inputs.token_write_values),
+        page_table, token_table, (inputs.page_write_entries, inputs.page_write_values),
+        (inputs.token_write_entries, inputs.token_write_values),
         inputs.token_entries, inputs.page_entries,
     )  # fmt: skip
-
-
-def _writes(
-    entries: torch.Tensor | None, values: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    return None if entries is None or values is None else (entries, values)
 
 
 _CURRENT: list[ForwardBatch] = []

@@ -72,13 +72,13 @@ class Engine:
         self.weight_bytes = sum(
             t.numel() * t.element_size() for t in self.model.state_dict().values()
         )
-        self.max_seq_len = max_seq_len(config, self.model_config.max_position_embeddings)
-        self.pool = self._build_pool(free_before)
-        self._build_tables()
+        seq_len = max_seq_len(config, self.model_config.max_position_embeddings)
+        self.pool = self._build_pool(free_before, seq_len)
+        self._build_tables(seq_len)
         self.attn_backend_name = ATTENTION_BACKENDS.resolve(
             config.attention_backend, self.device.type
         )
-        self.attn_backend: AttentionBackend = ATTENTION_BACKENDS.get(self.attn_backend_name)(
+        self.attn_backend = ATTENTION_BACKENDS.get(self.attn_backend_name)(
             self.pool, self.page_table
         )
         self.sampler = Sampler(self.model_config.vocab_size, self.device, self.token_table)
@@ -96,7 +96,7 @@ class Engine:
             num_slots=config.max_running_requests,
             page_table_width=self.page_table.shape[1],
             token_table_width=self.token_table.shape[1],
-            max_seq_len=self.max_seq_len,
+            max_seq_len=seq_len,
             vocab_size=self.model_config.vocab_size,
         )
         if self.device.type == "cuda":
@@ -120,7 +120,7 @@ class Engine:
         ]
 
     # ------------------------------------------------------------------ building
-    def _build_pool(self, free_before: int) -> KVPool:
+    def _build_pool(self, free_before: int, seq_len: int) -> KVPool:
         c, mc = self.config, self.model_config
         per_token = KVPool.bytes_per_token(
             mc.num_layers, self.num_kv_heads, mc.head_dim, self.dtype
@@ -133,30 +133,27 @@ class Engine:
                 budget = int(c.gpu_memory_utilization * free_before) - used_by_model
             else:  # host memory is shared with everything else: take a modest share
                 budget = int(0.2 * free_before)
-            tokens = min(budget // per_token, c.max_running_requests * self.max_seq_len)
+            tokens = min(budget // per_token, c.max_running_requests * seq_len)
         if c.tp_size > 1:  # every rank must agree on the pool size
             t = torch.tensor([tokens], device=self.device if self.device.type == "cuda" else "cpu")
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             tokens = int(t.item())
         num_pages = -(-tokens // c.page_size)
-        check_kv_capacity(num_pages * c.page_size, self.max_seq_len)
+        check_kv_capacity(num_pages * c.page_size, seq_len)
         return KVPool(
             mc.num_layers, num_pages, c.page_size, self.num_kv_heads, mc.head_dim, self.dtype,
             self.device,
         )  # fmt: skip
 
-    def _build_tables(self) -> None:
+    def _build_tables(self, seq_len: int) -> None:
         rows = self.config.max_running_requests + 1  # the last row: padding request / sink
         page_size = self.config.page_size
-        width = -(-self.max_seq_len // page_size) * page_size
-        if rows * max(width, self.max_seq_len) >= 2**31:
+        width = -(-seq_len // page_size) * page_size
+        if rows * max(width, seq_len) >= 2**31:
             raise ConfigError("the page and token tables need int32 entries: fewer slots or tokens")
-        self.dummy_slot = rows - 1
         self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
-        self.page_table[self.dummy_slot] = self.pool.dummy_loc
-        self.token_table = torch.zeros(
-            (rows, self.max_seq_len), dtype=torch.int32, device=self.device
-        )
+        self.page_table[-1] = self.pool.dummy_loc
+        self.token_table = torch.zeros((rows, seq_len), dtype=torch.int32, device=self.device)
         # its copy in pinned host memory, for the sampled tokens only: the sampling kernel writes
         # each one into both, and the host reads it here. A copy to the host after each step
         # held the next step back ~10 us on an H200
@@ -190,9 +187,7 @@ class Engine:
         return GraphRunner(
             self._step,
             min(max_bs, c.max_running_requests),
-            self.dummy_slot,
-            self.page_table.shape[1],
-            self.token_table.shape[1],
+            self.layout,
             self.pool.dummy_loc,
             self.device,
         )
@@ -226,7 +221,7 @@ class Engine:
 
 def upload(host: BatchInputs, device: torch.device) -> BatchInputs[torch.Tensor]:
     """A batch's host inputs on the device, in one transfer."""
-    return BatchInputs(**pack_to_device(device, torch.int32, **host.columns()))
+    return BatchInputs(**pack_to_device(device, torch.int32, **vars(host)))
 
 
 def _forward_step(

@@ -14,7 +14,7 @@ from dataclasses import fields
 import numpy as np
 import torch
 
-from minisgl.core import Batch, BatchInputs
+from minisgl.core import Batch, BatchInputs, EngineLayout
 from minisgl.utils import init_logger
 from minisgl.utils.torch_utils import copy_to_device
 
@@ -28,11 +28,10 @@ StepFn = Callable[[bool, BatchInputs[torch.Tensor], object, Sampling], tuple[tor
 # The rows of a captured size's static input block: a decode batch's inputs with one entry per
 # request (its page-table writes too: a decode adds at most one page per request). cu_seqlens_q
 # and last_indices of a decode are ranges, and a batch a graph runs writes no token ids.
-_RANGES = ("cu_seqlens_q", "last_indices")
 _ROWS = tuple(
     f.name
     for f in fields(BatchInputs)
-    if f.name not in (*_RANGES, "token_write_entries", "token_write_values")
+    if f.name not in ("cu_seqlens_q", "last_indices", "token_write_entries", "token_write_values")
 )
 _PAGE_WRITES = ("page_write_entries", "page_write_values")
 
@@ -48,9 +47,7 @@ class GraphRunner:
         self,
         step: StepFn,
         max_bs: int,
-        dummy_slot: int,
-        page_table_width: int,
-        token_table_width: int,
+        layout: EngineLayout,
         dummy_loc: int,
         device: torch.device,
     ) -> None:
@@ -60,10 +57,12 @@ class GraphRunner:
         # Padding rows: any token at position 0 of the dummy slot, reading and rewriting the dummy
         # page's entry, its sampled token going to the token table's sink row (the dummy slot's
         # row there). A request without a page write of its own rewrites the dummy entry too.
-        dummy_entry = dummy_slot * page_table_width
+        dummy_slot = layout.sink_slot
+        dummy_entry = dummy_slot * layout.page_table_width
         padding_row = {  # longest_first: set per column below
             "positions": 0, "token_entries": 0, "page_entries": dummy_entry, "slots": dummy_slot,
-            "seq_lens": 1, "longest_first": 0, "sample_entries": dummy_slot * token_table_width,
+            "seq_lens": 1, "longest_first": 0,
+            "sample_entries": dummy_slot * layout.token_table_width,
             "page_write_entries": dummy_entry, "page_write_values": dummy_loc,
         }  # fmt: skip
         padding = np.array([[padding_row[row]] for row in _ROWS], dtype=np.int32)
@@ -90,11 +89,14 @@ class GraphRunner:
         """The first `rows` columns of size `padded`'s static inputs, of which the first
         `num_writes` page writes (a captured size's own: all of them)."""
         block = dict(zip(_ROWS, self._inputs[padded], strict=True))
-        views = {name: t[:rows] for name, t in block.items() if name not in _PAGE_WRITES}
-        if num_writes > 0:
-            views |= {name: block[name][:num_writes] for name in _PAGE_WRITES}
+        views = {n: t[: num_writes if n in _PAGE_WRITES else rows] for n, t in block.items()}
+        no_writes = self._rows[:0]
         return BatchInputs(
-            cu_seqlens_q=self._rows[: rows + 1], last_indices=self._rows[:rows], **views
+            cu_seqlens_q=self._rows[: rows + 1],
+            last_indices=self._rows[:rows],
+            token_write_entries=no_writes,
+            token_write_values=no_writes,
+            **views,
         )
 
     def _capture_all(self, device: torch.device) -> None:
@@ -119,8 +121,8 @@ class GraphRunner:
         return (
             batch.is_decode
             and batch.size <= self.max_bs
-            and batch.num_token_writes == 0
-            and batch.num_page_writes <= batch.size
+            and len(batch.inputs.token_write_entries) == 0
+            and len(batch.inputs.page_write_entries) <= batch.size
         )
 
     def _static_sampling(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,11 +143,10 @@ class GraphRunner:
             self._sampling_is_zero = True
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         image = self._images[padded].copy()  # a fresh array: the last one may still be in flight
-        columns = batch.inputs.columns()
-        num_writes = batch.num_page_writes
+        columns = vars(batch.inputs)
+        num_writes = len(batch.inputs.page_write_entries)
         for i, row in enumerate(_ROWS):
-            if row in columns:
-                image[i, : num_writes if row in _PAGE_WRITES else bs] = columns[row]
+            image[i, : num_writes if row in _PAGE_WRITES else bs] = columns[row]
         copy_to_device(torch.from_numpy(image), self._inputs[padded])
         logits, tokens = self.replay(padded)
         return logits[:bs], tokens[:bs], self.static_inputs(padded, bs, num_writes)

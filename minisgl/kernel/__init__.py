@@ -168,8 +168,8 @@ def sample_tokens(
 def read_tables(
     page_table: torch.Tensor,
     token_table: torch.Tensor,
-    page_writes: DeviceWrites | None,
-    token_writes: DeviceWrites | None,
+    page_writes: DeviceWrites,
+    token_writes: DeviceWrites,
     token_entries: torch.Tensor,
     page_entries: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -185,16 +185,15 @@ DeviceWrites = tuple[torch.Tensor, torch.Tensor]  # (flat entries, values), int3
 def read_tables(
     page_table: torch.Tensor,
     token_table: torch.Tensor,
-    page_writes: DeviceWrites | None,
-    token_writes: DeviceWrites | None,
+    page_writes: DeviceWrites,
+    token_writes: DeviceWrites,
     token_entries: torch.Tensor,
     page_entries: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply the writes to the (flattened) tables, then read the token ids at token_entries and
     the KV locations at page_entries."""
     for table, writes in [(page_table, page_writes), (token_table, token_writes)]:
-        if writes is not None:
-            table.view(-1).scatter_(0, *writes)
+        table.view(-1).scatter_(0, *writes)
     return (
         token_table.view(-1).index_select(0, token_entries),
         page_table.view(-1).index_select(0, page_entries),

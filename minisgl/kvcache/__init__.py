@@ -2,7 +2,14 @@
 prefix caches and the manager that decides each slot's pages (`manager`). The prefix cache is
 chosen by name (`--cache`)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from minisgl.utils.registry import Registry
+
+if TYPE_CHECKING:
+    from .prefix_cache import PrefixCache
 
 
 class IntegrityError(Exception):
@@ -15,8 +22,8 @@ def require(ok: bool, message: str) -> None:
         raise IntegrityError(message)
 
 
-PREFIX_CACHES: Registry = Registry("prefix cache")
+PREFIX_CACHES: Registry[PrefixCache] = Registry("prefix cache")
 PREFIX_CACHES.register("radix", "minisgl.kvcache.radix_cache:RadixCache")
-PREFIX_CACHES.register("naive", "minisgl.kvcache.prefix_cache:NaiveCache")
+PREFIX_CACHES.register("naive", "minisgl.kvcache.radix_cache:NaiveCache")
 
 __all__ = ["PREFIX_CACHES", "IntegrityError", "require"]

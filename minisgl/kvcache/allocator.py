@@ -15,10 +15,9 @@ class PageAllocator:
 
     def alloc(self, n: int) -> list[int]:
         assert 0 <= n <= len(self._free), f"asked for {n} pages, {len(self._free)} free"
-        if n == 0:
-            return []
-        pages = self._free[-n:]
-        del self._free[-n:]
+        start = len(self._free) - n  # not -n: a slice from -0 would be the whole list
+        pages = self._free[start:]
+        del self._free[start:]
         return pages
 
     def free(self, pages: list[int]) -> None:

@@ -8,7 +8,6 @@ from minisgl.utils.arrays import ragged_arange
 
 from . import PREFIX_CACHES, require
 from .allocator import PageAllocator
-from .prefix_cache import PrefixCache
 
 
 class KVCacheManager:
@@ -23,7 +22,7 @@ class KVCacheManager:
         self.page_size = page_size
         self.table_width = table_width
         self.allocator = PageAllocator(num_pages)
-        self.prefix_cache: PrefixCache = PREFIX_CACHES.get(cache)(page_size)
+        self.prefix_cache = PREFIX_CACHES.get(cache)(page_size)
         self._pages: dict[int, list[int]] = {}  # slot -> its pages, in position order
         self._handles: dict[int, Any] = {}  # slot -> locked prefix-cache handle
         self._shared: dict[int, int] = {}  # slot -> leading pages it got from the prefix cache

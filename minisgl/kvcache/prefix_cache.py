@@ -2,8 +2,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-from . import require
-
 
 class PrefixCache(ABC):
     """Maps token-id prefixes (whole pages only) to the KV pages that hold them.
@@ -48,36 +46,3 @@ class PrefixCache(ABC):
     def check_integrity(self, held_handles: list[Any]) -> None:
         """Raise IntegrityError unless the cache's own structure is consistent and its lock counts
         are exactly those of `held_handles` (every handle some request holds locked)."""
-
-
-class NaiveCache(PrefixCache):
-    """No reuse: nothing is ever cached, so every request computes its whole prompt."""
-
-    def match(self, ids: Sequence[int]) -> tuple[Any, list[int]]:
-        return None, []
-
-    def insert(self, ids: Sequence[int], pages: list[int]) -> tuple[Any, list[int]]:
-        return None, list(pages)
-
-    def lock(self, handle: Any) -> None:
-        pass
-
-    def unlock(self, handle: Any) -> None:
-        pass
-
-    def evict(self, num_pages: int) -> list[int]:
-        return []
-
-    @property
-    def num_evictable_pages(self) -> int:
-        return 0
-
-    @property
-    def num_cached_pages(self) -> int:
-        return 0
-
-    def cached_pages(self) -> list[int]:
-        return []
-
-    def check_integrity(self, held_handles: list[Any]) -> None:
-        require(all(h is None for h in held_handles), "a request holds a handle of no cache")

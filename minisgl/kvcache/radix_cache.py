@@ -35,9 +35,6 @@ class RadixCache(PrefixCache):
         self._num_locked = 0  # pages in nodes with lock_ref > 0
 
     # ------------------------------------------------------------------ queries
-    def _first_page(self, ids: Sequence[int], start: int) -> tuple[int, ...]:
-        return tuple(ids[start : start + self.page_size])
-
     def _common_pages(self, node: RadixNode, ids: Sequence[int], start: int) -> int:
         """How many whole pages of node.key equal ids[start:]."""
         ps = self.page_size
@@ -59,7 +56,7 @@ class RadixCache(PrefixCache):
         node, pages, pos, now = self.root, [], 0, next(self._clock)
         node.last_access = now
         while pos + self.page_size <= len(ids):
-            child = node.children.get(self._first_page(ids, pos))
+            child = node.children.get(tuple(ids[pos : pos + self.page_size]))
             if child is None:
                 break
             n = self._common_pages(child, ids, pos)
@@ -187,3 +184,11 @@ class RadixCache(PrefixCache):
         require(len(pages) == len(set(pages)) == self._num_cached, "a page is cached twice")
         locked = sum(len(n.pages) for n in nodes if n.lock_ref > 0)
         require(locked == self._num_locked, "the locked-page count is off")
+
+
+class NaiveCache(RadixCache):
+    """No reuse: nothing is ever inserted, so the tree stays empty, every request computes its
+    whole prompt and every page a request gives up is freed."""
+
+    def insert(self, ids: Sequence[int], pages: list[int]) -> tuple[RadixNode, list[int]]:
+        return self.root, list(pages)

@@ -3,25 +3,22 @@ from .base import BaseOP, OPList, StateLessOP
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .linear import (
     LinearColParallelMerged,
-    LinearOProj,
     LinearQKVMerged,
     LinearRowParallel,
     local_kv_heads,
 )
 from .norm import RMSNorm
-from .rotary import RotaryEmbedding, get_rope, set_rope_device
+from .rotary import get_rope, set_rope_device
 
 __all__ = [
     "AttentionLayer",
     "BaseOP",
     "LinearColParallelMerged",
-    "LinearOProj",
     "LinearQKVMerged",
     "LinearRowParallel",
     "OPList",
     "ParallelLMHead",
     "RMSNorm",
-    "RotaryEmbedding",
     "StateLessOP",
     "VocabParallelEmbedding",
     "get_rope",

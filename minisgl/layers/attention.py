@@ -24,7 +24,6 @@ class AttentionLayer(StateLessOP):
     ) -> None:
         self.layer_id = layer_id
         self.num_qo_heads = num_qo_heads
-        self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.qo_attn_dim = num_qo_heads * head_dim
         self.kv_attn_dim = num_kv_heads * head_dim

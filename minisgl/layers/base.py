@@ -6,6 +6,7 @@ attribute is a sub-op; attributes starting with `_` take no part. Loading *repla
 """
 
 from abc import abstractmethod
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -21,11 +22,13 @@ class BaseOP:
     @abstractmethod
     def forward(self, *args: Any, **kwargs: Any) -> Any: ...
 
+    def _parts(self) -> Iterator[tuple[str, Any]]:
+        """(name, value) of each attribute that may be a weight or a sub-op."""
+        return ((name, v) for name, v in self.__dict__.items() if not name.startswith("_"))
+
     def state_dict(self, *, prefix: str = "", result: StateDict | None = None) -> StateDict:
         result = result if result is not None else {}
-        for name, param in self.__dict__.items():
-            if name.startswith("_"):
-                continue
+        for name, param in self._parts():
             if isinstance(param, torch.Tensor):
                 result[_concat_prefix(prefix, name)] = param
             elif isinstance(param, BaseOP):
@@ -36,11 +39,9 @@ class BaseOP:
         self, state_dict: StateDict, *, prefix: str = "", _internal: bool = False
     ) -> None:
         """Take this op's tensors out of `state_dict` (it is consumed); leftovers are an error."""
-        for name, param in self.__dict__.items():
-            if name.startswith("_"):
-                continue
+        for name, param in self._parts():
+            key = _concat_prefix(prefix, name)
             if isinstance(param, torch.Tensor):
-                key = _concat_prefix(prefix, name)
                 if key not in state_dict:
                     raise KeyError(f"missing tensor {key!r}")
                 item = state_dict.pop(key)
@@ -51,27 +52,16 @@ class BaseOP:
                     )
                 setattr(self, name, item)
             elif isinstance(param, BaseOP):
-                param.load_state_dict(
-                    state_dict, prefix=_concat_prefix(prefix, name), _internal=True
-                )
-        _check_leftover(state_dict, _internal)
-
-
-def _check_leftover(state_dict: StateDict, internal: bool) -> None:
-    if not internal and state_dict:
-        raise RuntimeError(f"Unexpected keys in state_dict: {list(state_dict.keys())}")
+                param.load_state_dict(state_dict, prefix=key, _internal=True)
+        if not _internal and state_dict:
+            raise RuntimeError(f"Unexpected keys in state_dict: {list(state_dict.keys())}")
 
 
 class StateLessOP(BaseOP):
     """An op with no weights (RoPE, the attention layer): its state_dict is always empty."""
 
-    def state_dict(self, *, prefix: str = "", result: StateDict | None = None) -> StateDict:
-        return result if result is not None else {}
-
-    def load_state_dict(
-        self, state_dict: StateDict, *, prefix: str = "", _internal: bool = False
-    ) -> None:
-        _check_leftover(state_dict, _internal)
+    def _parts(self) -> Iterator[tuple[str, Any]]:
+        return iter(())
 
 
 T = TypeVar("T", bound=BaseOP)
@@ -83,24 +73,8 @@ class OPList(BaseOP, Generic[T]):
     def __init__(self, ops: list[T]) -> None:
         self.op_list = ops
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[T]:
         return iter(self.op_list)
 
-    def __len__(self) -> int:
-        return len(self.op_list)
-
-    def __getitem__(self, i: int) -> T:
-        return self.op_list[i]
-
-    def state_dict(self, *, prefix: str = "", result: StateDict | None = None) -> StateDict:
-        result = result if result is not None else {}
-        for i, op in enumerate(self.op_list):
-            op.state_dict(prefix=_concat_prefix(prefix, str(i)), result=result)
-        return result
-
-    def load_state_dict(
-        self, state_dict: StateDict, *, prefix: str = "", _internal: bool = False
-    ) -> None:
-        for i, op in enumerate(self.op_list):
-            op.load_state_dict(state_dict, prefix=_concat_prefix(prefix, str(i)), _internal=True)
-        _check_leftover(state_dict, _internal)
+    def _parts(self) -> Iterator[tuple[str, Any]]:
+        return ((str(i), op) for i, op in enumerate(self.op_list))

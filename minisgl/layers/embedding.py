@@ -1,6 +1,6 @@
 import torch
 
-from minisgl.distributed import DistributedCommunicator, get_tp_info
+from minisgl.distributed import all_gather, all_reduce, get_tp_info
 from minisgl.engine.context import current_forward
 from minisgl.kernel import indexing, rmsnorm_linear
 from minisgl.utils import div_ceil
@@ -22,12 +22,11 @@ class VocabParallelEmbedding(BaseOP):
         finish = min(start + self.num_embeddings_tp, num_embeddings)
         self.vocab_range = (start, finish - start)
         self.weight = torch.empty(self.num_embeddings_tp, embedding_dim)
-        self._comm = DistributedCommunicator()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._tp_size == 1:
             return indexing(self.weight, x)
-        return self._comm.all_reduce(indexing(self.weight, x, self.vocab_range))
+        return all_reduce(indexing(self.weight, x, self.vocab_range))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -65,6 +64,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self._tp_size == 1:
             return logits
         # all_gather stacks ranks along dim 0: [tp * rows, V/tp] -> [rows, tp * V/tp]
-        gathered = self._comm.all_gather(logits).view(self._tp_size, *logits.shape)
+        gathered = all_gather(logits).view(self._tp_size, *logits.shape)
         gathered = gathered.permute(1, 0, 2).reshape(logits.shape[0], -1)
         return gathered[:, : self.num_embeddings]

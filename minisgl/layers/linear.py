@@ -5,7 +5,7 @@ Each computes this rank's shapes from the TP info; the weight loader slices chec
 
 import torch
 
-from minisgl.distributed import DistributedCommunicator, get_tp_info
+from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernel import linear, linear_split_k, rmsnorm_linear
 from minisgl.utils import div_even
 
@@ -71,16 +71,8 @@ class LinearRowParallel(_LinearTPImpl):
         tp = get_tp_info().size
         super().__init__(div_even(input_size, tp), output_size, False)
         self._tp_size = tp
-        self._comm = DistributedCommunicator()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._tp_size == 1:
             return linear_split_k(x, self.weight)
-        return self._comm.all_reduce(linear(x, self.weight))
-
-
-class LinearOProj(LinearRowParallel):
-    """The attention output projection: row-parallel over the heads this rank holds."""
-
-    def __init__(self, num_qo_heads: int, head_dim: int, hidden_size: int) -> None:
-        super().__init__(num_qo_heads * head_dim, hidden_size)
+        return all_reduce(linear(x, self.weight))

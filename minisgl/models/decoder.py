@@ -7,8 +7,8 @@ from minisgl.layers import (
     AttentionLayer,
     BaseOP,
     LinearColParallelMerged,
-    LinearOProj,
     LinearQKVMerged,
+    LinearRowParallel,
     OPList,
     ParallelLMHead,
     RMSNorm,
@@ -16,7 +16,6 @@ from minisgl.layers import (
     get_rope,
     local_kv_heads,
 )
-from minisgl.layers.linear import LinearRowParallel
 from minisgl.utils import div_even
 
 from .config import ModelConfig
@@ -39,7 +38,8 @@ class RopeAttn(BaseOP):
         self.attn = AttentionLayer(
             layer_id, num_qo_heads, num_kv_heads, head_dim, rotary, self.q_norm, self.k_norm
         )
-        self.o_proj = LinearOProj(config.num_qo_heads, head_dim, config.hidden_size)
+        # row-parallel over the heads this rank holds
+        self.o_proj = LinearRowParallel(config.num_qo_heads * head_dim, config.hidden_size)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, input_norm: RMSNorm

@@ -6,6 +6,7 @@ from minisgl.core import Batch, BatchInputs, EngineLayout, Req, TokenMasks
 from minisgl.utils.arrays import ragged_arange, repeat_each
 
 TableWrites = tuple[np.ndarray, np.ndarray]  # flat entries of a device table, and their values
+NO_WRITES: TableWrites = (np.empty(0, np.int64), np.empty(0, np.int64))
 
 
 def build_batch(
@@ -14,8 +15,8 @@ def build_batch(
     extend_lens: list[int],
     layout: EngineLayout,
     sample_rows: list[int] | None = None,
-    page_writes: TableWrites | None = None,
-    token_writes: TableWrites | None = None,
+    page_writes: TableWrites = NO_WRITES,
+    token_writes: TableWrites = NO_WRITES,
     processed_rows: list[int] | None = None,
     token_masks: TokenMasks | None = None,
 ) -> Batch:
@@ -40,8 +41,6 @@ def build_batch(
     sample_slots[keep] = slots[keep]
     # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
     # gathers and scatters take as is (a 2-D int32 index would cost two conversion kernels each)
-    page_write_entries, page_write_values = _nonempty(page_writes)
-    token_write_entries, token_write_values = _nonempty(token_writes)
     inputs = BatchInputs(
         positions=positions,
         token_entries=token_slots * layout.token_table_width + positions,
@@ -52,15 +51,11 @@ def build_batch(
         cu_seqlens_q=cu_seqlens,
         last_indices=cu_seqlens[1:] - 1,
         sample_entries=sample_slots * layout.token_table_width + seq_lens,
-        page_write_entries=page_write_entries,
-        page_write_values=page_write_values,
-        token_write_entries=token_write_entries,
-        token_write_values=token_write_values,
+        page_write_entries=page_writes[0],
+        page_write_values=page_writes[1],
+        token_write_entries=token_writes[0],
+        token_write_values=token_writes[1],
     )
     return Batch(
         reqs, prefix_lens, extend_lens, keep, is_decode, inputs, processed_rows or [], token_masks
     )
-
-
-def _nonempty(writes: TableWrites | None) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
-    return (None, None) if writes is None or len(writes[0]) == 0 else writes

@@ -128,7 +128,7 @@ class Scheduler:
             ([8], [17]),
         ]:
             seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-            if max(seq_lens) < self.layout.max_seq_len:
+            if max(seq_lens) < self.layout.max_seq_len and len(seq_lens) <= self.layout.num_slots:
                 reqs = [Req(-1, [0] * n, SamplingParams(temperature=0), 0, pad) for n in seq_lens]
                 batch = build_batch(reqs, prefix_lens, extend_lens, self.layout)
                 self.engine.forward(batch).wait()

@@ -1,8 +1,8 @@
 """`minisgl [serve] [MODEL]` / `python -m minisgl`: parse the command line, check the settings, and
 launch the server (or the shell).
 
-Engine and scheduler options default to their config classes' defaults, so each default lives in
-one place; only the options given on the command line are passed on. Nothing here imports torch:
+Most options are fields of the settings classes, typed and defaulted there, so each default lives
+in one place; only the options given on the command line are passed on. Nothing here imports torch:
 `minisgl --help` answers at once.
 """
 
@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.config import EngineConfig, SchedulerConfig
@@ -28,55 +28,93 @@ from .tool_parser import TOOL_PARSERS
 
 API_KEY_ENV = "MINISGL_API_KEY"
 
-# option -> (config class, field); these options are passed on only when given
-_CONFIG_OPTIONS: dict[str, tuple[type, str]] = {
-    "device": (EngineConfig, "device"),
-    "dtype": (EngineConfig, "dtype"),
-    "tp": (EngineConfig, "tp_size"),
-    "page_size": (EngineConfig, "page_size"),
-    "max_running_requests": (EngineConfig, "max_running_requests"),
-    "max_kv_tokens": (EngineConfig, "max_kv_tokens"),
-    "max_model_len": (EngineConfig, "max_model_len"),
-    "gpu_memory_utilization": (EngineConfig, "gpu_memory_utilization"),
-    "attention_backend": (EngineConfig, "attention_backend"),
-    "cuda_graph_max_bs": (EngineConfig, "cuda_graph_max_bs"),
-    "dummy_weights": (EngineConfig, "dummy_weights"),
-    "chunk_size": (SchedulerConfig, "chunk_size"),
-    "cache": (SchedulerConfig, "cache"),
-    "overlap": (SchedulerConfig, "overlap"),
-    "seed": (SchedulerConfig, "seed"),
-    "max_n": (RequestLimits, "max_n"),
-    "max_prompts": (RequestLimits, "max_prompts"),
-    "max_request_bytes": (RequestLimits, "max_request_bytes"),
-    "max_stop_strings": (RequestLimits, "max_stop_strings"),
-    "max_stop_length": (RequestLimits, "max_stop_length"),
-    "max_queued_requests": (RequestLimits, "max_queued_requests"),
-    "request_timeout": (ServerArgs, "request_timeout"),
-    "shutdown_timeout": (ServerArgs, "shutdown_timeout"),
-    "health_timeout": (ServerArgs, "health_timeout"),
-    "timeout_keep_alive": (ServerArgs, "timeout_keep_alive"),
-    "log_level": (ServerArgs, "log_level"),
-    "tool_call_parser": (ServerArgs, "tool_call_parser"),
-    "reasoning_parser": (ServerArgs, "reasoning_parser"),
-    "host": (ServerArgs, "host"),
-    "port": (ServerArgs, "port"),
+# The options that set a field, with their help: the field of its name (--tp: tp_size) in the one
+# of _TARGETS that has it.
+_TARGETS = (EngineConfig, SchedulerConfig, RequestLimits, ServerArgs)
+_FIELD_NAMES = {"tp": "tp_size"}
+_CHOICES = {
+    "cache": PREFIX_CACHES.choices(),
+    "attention_backend": ATTENTION_BACKENDS.choices(),
+    "log_level": ["debug", "info", "warning", "error"],
+    "tool_call_parser": sorted(TOOL_PARSERS),
+    "reasoning_parser": sorted(REASONING_PARSERS),
+}
+_HELP = {
+    "host": "address to listen on",
+    "port": "port to listen on (1-65535)",
+    "device": "cpu, cuda, or auto: cuda when available",
+    "dtype": "float32, bfloat16, float16, or auto: bfloat16 on cuda, else float32",
+    "tp": "tensor-parallel size: one scheduler process per rank",
+    "page_size": "tokens per KV cache page",
+    "max_running_requests": "requests decoded together at most (KV slots)",
+    "max_kv_tokens": "KV cache size in tokens (default: sized from free memory)",
+    "max_model_len": "prompt + output tokens of one request at most; the KV cache must hold one "
+    "such request (default: the model's context)",
+    "gpu_memory_utilization": "share of the GPU memory free at start-up for the weights and the "
+    "KV cache",
+    "chunk_size": "tokens per step, decodes first; longer prompts in chunks",
+    "cache": "prefix cache policy",
+    "attention_backend": "attention kernels",
+    "cuda_graph_max_bs": "largest decode batch replayed from a CUDA graph; 0 turns graphs off "
+    "(default: --max-running-requests on cuda)",
+    "overlap": "build step k+1 on the CPU while the GPU runs step k (--no-overlap: one after the "
+    "other)",
+    "dummy_weights": "random weights in the checkpoint's shape (a directory with only config.json "
+    "and the tokenizer is enough): for speed measurements",
+    "seed": "draws the sampling seed of requests that give none",
+    "max_n": "choices per request at most (OpenAI's limit)",
+    "max_prompts": "prompts per completions request at most (OpenAI's)",
+    "max_request_bytes": "request body size at most; larger is a 413",
+    "max_stop_strings": "stop strings per request at most",
+    "max_stop_length": "characters per stop string at most",
+    "max_queued_requests": "requests waiting for their first token at most; more get a 429 "
+    "(default: no limit)",
+    "request_timeout": "seconds a request may run before it is stopped with a 408 (default: no "
+    "limit)",
+    "shutdown_timeout": "seconds running requests may finish after SIGTERM before they are "
+    "answered with 503",
+    "health_timeout": "/health answers 503 once the engine has sent no heartbeat for this many "
+    "seconds",
+    "timeout_keep_alive": "seconds an idle HTTP connection stays open",
+    "log_level": "logging level",
+    "tool_call_parser": "read tool calls out of chat replies in this model family's format, for "
+    "tool_choice auto (required and named choices need none: a grammar holds the reply to the "
+    "calls)",
+    "reasoning_parser": "split chat replies into reasoning_content (the model's thinking) and "
+    "content",
+    "shell": "chat with the model in this terminal: /reset clears the history, /exit quits",
 }
 
 
-def _field_default(cls: type, name: str) -> Any:
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return field.default
+def _fields() -> dict[str, tuple[type, dataclasses.Field[Any]]]:
+    """option -> (the class it sets a field of, that field), for every option in _HELP."""
+    by_name = {f.name: (cls, f) for cls in _TARGETS for f in dataclasses.fields(cls)}
+    return {option: by_name[_FIELD_NAMES.get(option, option)] for option in _HELP}
 
 
 def _given(ns: dict[str, Any], cls: type) -> dict[str, Any]:
     """The fields of `cls` that options on the command line set."""
     return {
-        name: ns[option]
-        for option, (target, name) in _CONFIG_OPTIONS.items()
+        field.name: ns[option]
+        for option, (target, field) in _fields().items()
         if target is cls and option in ns
     }
+
+
+def _add_field_option(
+    p: argparse.ArgumentParser, option: str, field: dataclasses.Field[Any]
+) -> None:
+    """--option, typed as the field (a bool one a switch) and passed on only when given."""
+    help, default = _HELP[option], field.default
+    if field.type is bool:  # a switch: --X turns on what is off by default, --no-X turns it off
+        kwargs = {"action": argparse.BooleanOptionalAction if default else "store_true"}
+    else:  # X or X | None
+        kind = next(t for t in get_args(field.type) or [field.type] if t is not type(None))
+        kwargs = {"type": kind, "choices": _CHOICES.get(option)}
+    if default is not None and kwargs.get("action") != "store_true":
+        help = f"{help} (default: {default})"
+    flag = "--" + option.replace("_", "-")
+    p.add_argument(flag, default=argparse.SUPPRESS, help=help, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,13 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model with an OpenAI-compatible API (or chat with it: --shell). "
         "`minisgl serve MODEL` works too.",
     )
-
-    def option(flag: str, help: str, **kwargs: Any) -> None:
-        default = _field_default(*_CONFIG_OPTIONS[flag.removeprefix("--").replace("-", "_")])
-        if default is not None and kwargs.get("action") != "store_true":
-            help = f"{help} (default: {default})"
-        p.add_argument(flag, default=argparse.SUPPRESS, help=help, **kwargs)
-
     version = importlib.metadata.version("minisgl")
     p.add_argument("--version", action="version", version=f"minisgl {version}")
     p.add_argument(
@@ -105,46 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="local Hugging Face model directory; nothing is downloaded "
         f"(default: the embedded {DEFAULT_MODEL_PATH.name} model)",
     )
-    option("--host", "address to listen on")
-    option("--port", "port to listen on (1-65535)", type=int)
-    option("--device", "cpu, cuda, or auto: cuda when available")
-    option("--dtype", "float32, bfloat16, float16, or auto: bfloat16 on cuda, else float32")
-    option("--tp", "tensor-parallel size: one scheduler process per rank", type=int)
-    option("--page-size", "tokens per KV cache page", type=int)
-    option("--max-running-requests", "requests decoded together at most (KV slots)", type=int)
-    option("--max-kv-tokens", "KV cache size in tokens (default: sized from free memory)", type=int)
-    option(
-        "--max-model-len",
-        "prompt + output tokens of one request at most; the KV cache must hold one such request "
-        "(default: the model's context)",
-        type=int,
-    )
-    option(
-        "--gpu-memory-utilization",
-        "share of the GPU memory free at start-up for the weights and the KV cache",
-        type=float,
-    )
-    option("--chunk-size", "tokens per step, decodes first; longer prompts in chunks", type=int)
-    option("--cache", "prefix cache policy", choices=PREFIX_CACHES.choices())
-    option("--attention-backend", "attention kernels", choices=ATTENTION_BACKENDS.choices())
-    option(
-        "--cuda-graph-max-bs",
-        "largest decode batch replayed from a CUDA graph; 0 turns graphs off "
-        "(default: --max-running-requests on cuda)",
-        type=int,
-    )
-    option(
-        "--overlap",
-        "build step k+1 on the CPU while the GPU runs step k (--no-overlap: one after the other)",
-        action=argparse.BooleanOptionalAction,
-    )
-    option(
-        "--dummy-weights",
-        "random weights in the checkpoint's shape (a directory with only config.json and the "
-        "tokenizer is enough): for speed measurements",
-        action="store_true",
-    )
-    option("--seed", "draws the sampling seed of requests that give none", type=int)
+    for option, (_, field) in _fields().items():
+        _add_field_option(p, option, field)
     p.add_argument(
         "--api-key",
         help="clients must send `Authorization: Bearer <key>` (every route but /health and "
@@ -158,49 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template", help="a Jinja chat template, or a file holding one, used instead of "
         "the model's",
     )  # fmt: skip
-    option(
-        "--tool-call-parser",
-        "read tool calls out of chat replies in this model family's format, for tool_choice "
-        "auto (required and named choices need none: a grammar holds the reply to the calls)",
-        choices=sorted(TOOL_PARSERS),
-    )
-    option(
-        "--reasoning-parser",
-        "split chat replies into reasoning_content (the model's thinking) and content",
-        choices=sorted(REASONING_PARSERS),
-    )
-    option("--max-n", "choices per request at most (OpenAI's limit)", type=int)
-    option("--max-prompts", "prompts per completions request at most (OpenAI's)", type=int)
-    option("--max-request-bytes", "request body size at most; larger is a 413", type=int)
-    option("--max-stop-strings", "stop strings per request at most", type=int)
-    option("--max-stop-length", "characters per stop string at most", type=int)
-    option(
-        "--max-queued-requests",
-        "requests waiting for their first token at most; more get a 429 (default: no limit)",
-        type=int,
-    )
-    option(
-        "--request-timeout",
-        "seconds a request may run before it is stopped with a 408 (default: no limit)",
-        type=float,
-    )
-    option(
-        "--shutdown-timeout",
-        "seconds running requests may finish after SIGTERM before they are answered with 503",
-        type=float,
-    )
-    option(
-        "--health-timeout",
-        "/health answers 503 once the engine has sent no heartbeat for this many seconds",
-        type=float,
-    )
-    option("--timeout-keep-alive", "seconds an idle HTTP connection stays open", type=int)
-    option("--log-level", "logging level", choices=["debug", "info", "warning", "error"])
-    p.add_argument(
-        "--shell",
-        action="store_true",
-        help="chat with the model in this terminal: /reset clears the history, /exit quits",
-    )
     return p
 
 
@@ -225,7 +175,6 @@ def parse_args(
         scheduler=SchedulerConfig(**_given(ns, SchedulerConfig)),
         served_model_name=ns["served_model_name"] or model or path.name,
         api_key=ns["api_key"] or environ.get(API_KEY_ENV),
-        shell=ns["shell"],
         chat_template=chat_template,
         limits=RequestLimits(**_given(ns, RequestLimits)),
         **_given(ns, ServerArgs),

@@ -1,6 +1,8 @@
 """Prometheus metrics for GET /metrics: request and token counters and latencies, measured where
 the API server receives each token, and the scheduler's load as it last reported it."""
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from minisgl.messages import Finished, SchedulerLoad
@@ -11,53 +13,40 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 class Metrics:
     def __init__(self) -> None:
         self._prompt_total = self._cached_total = 0  # for the hit rate
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "minisgl_requests", "Finished requests", ["finish_reason"], registry=r
-        )
-        self.prompt_tokens = Counter(
-            "minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r
-        )
-        self.cached_prompt_tokens = Counter(
+        self.registry = r = CollectorRegistry()
+        counter = functools.partial(Counter, registry=r)
+        gauge = functools.partial(Gauge, registry=r)
+        latency = functools.partial(Histogram, buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = counter("minisgl_requests", "Finished requests", ["finish_reason"])
+        self.prompt_tokens = counter("minisgl_prompt_tokens", "Prompt tokens of finished requests")
+        self.cached_prompt_tokens = counter(
             "minisgl_cached_prompt_tokens",
             "Prompt tokens of finished requests found in the prefix cache",
-            registry=r,
         )
-        self.generation_tokens = Counter(
-            "minisgl_generation_tokens", "Generated tokens", registry=r
+        self.generation_tokens = counter("minisgl_generation_tokens", "Generated tokens")
+        self.ttft = latency(
+            "minisgl_time_to_first_token_seconds", "From submission to the first token"
         )
-        self.ttft = Histogram(
-            "minisgl_time_to_first_token_seconds",
-            "From submission to the first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.itl = latency(
+            "minisgl_inter_token_latency_seconds", "Between two tokens of one request"
         )
-        self.itl = Histogram(
-            "minisgl_inter_token_latency_seconds",
-            "Between two tokens of one request",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.running = Gauge("minisgl_running_requests", "Requests being computed", registry=r)
-        self.queued = Gauge("minisgl_queued_requests", "Requests waiting to start", registry=r)
-        self.kv_pages = Gauge(
+        self.running = gauge("minisgl_running_requests", "Requests being computed")
+        self.queued = gauge("minisgl_queued_requests", "Requests waiting to start")
+        self.kv_pages = gauge(
             "minisgl_kv_pages",
             "KV cache pages: held by requests, held by the prefix cache only, free",
             ["state"],
-            registry=r,
         )
-        self.prefix_hit_rate = Gauge(
+        self.prefix_hit_rate = gauge(
             "minisgl_prefix_cache_hit_rate",
             "Share of finished requests' prompt tokens found in the prefix cache",
-            registry=r,
         )
-        self.preemptions = Gauge("minisgl_preemptions", "Preemptions so far", registry=r)
-        self.integrity_checks = Gauge(
-            "minisgl_kv_integrity_checks", "KV cache integrity checks run when idle", registry=r
+        self.preemptions = gauge("minisgl_preemptions", "Preemptions so far")
+        self.integrity_checks = gauge(
+            "minisgl_kv_integrity_checks", "KV cache integrity checks run when idle"
         )
-        self.integrity_failures = Gauge(
-            "minisgl_kv_integrity_failures", "KV cache integrity checks that failed", registry=r
+        self.integrity_failures = gauge(
+            "minisgl_kv_integrity_failures", "KV cache integrity checks that failed"
         )
 
     def tokens_arrived(self, num_tokens: int, seconds: float, first: bool) -> None:

@@ -4,11 +4,9 @@
 from .logger import init_logger
 from .misc import div_ceil, div_even
 from .model_path import DEFAULT_MODEL_PATH, load_eos_token_ids, resolve_model_path
-from .registry import Registry
 
 __all__ = [
     "DEFAULT_MODEL_PATH",
-    "Registry",
     "div_ceil",
     "div_even",
     "init_logger",

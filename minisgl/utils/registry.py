@@ -18,39 +18,36 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, auto: dict[str, str] | None = None) -> None:
         self.kind = kind
         self._auto = auto or {}
-        self._targets: dict[str, str] = {}
-        self._runs_on: dict[str, Callable[[str], bool]] = {}
+        # name -> (its factory's "module:attribute", the device types it runs on; None: all)
+        self._entries: dict[str, tuple[str, Callable[[str], bool] | None]] = {}
 
     def register(
         self, name: str, target: str, runs_on: Callable[[str], bool] | None = None
     ) -> None:
-        if name in self._targets or name == "auto":
+        if name in self._entries or name == "auto":
             raise ConfigError(f"{self.kind} {name!r} registered twice")
-        self._targets[name] = target
-        if runs_on is not None:
-            self._runs_on[name] = runs_on
+        self._entries[name] = (target, runs_on)
 
     def choices(self) -> list[str]:
         """What a user may ask for: "auto" (when it means something) and every name."""
-        return (["auto"] if self._auto else []) + sorted(self._targets)
+        return (["auto"] if self._auto else []) + sorted(self._entries)
 
     def resolve(self, name: str, device_type: str) -> str:
         """The entry `name` stands for on `device_type`; raises ConfigError if there is none."""
         if name == "auto" and device_type in self._auto:
             name = self._auto[device_type]
-        self._target(name)
-        runs_on = self._runs_on.get(name)
+        _, runs_on = self._entry(name)
         if runs_on is not None and not runs_on(device_type):
             raise ConfigError(f"the {name} {self.kind} does not run on {device_type}")
         return name
 
     def get(self, name: str) -> Callable[..., T]:
         """The factory registered as `name` (resolve "auto" and check the device first)."""
-        module, _, attribute = self._target(name).partition(":")
+        module, _, attribute = self._entry(name)[0].partition(":")
         return getattr(importlib.import_module(module), attribute)
 
-    def _target(self, name: str) -> str:
-        if name not in self._targets:
+    def _entry(self, name: str) -> tuple[str, Callable[[str], bool] | None]:
+        if name not in self._entries:
             choices = ", ".join(self.choices())
             raise ConfigError(f"unknown {self.kind} {name!r}; supported: {choices}")
-        return self._targets[name]
+        return self._entries[name]

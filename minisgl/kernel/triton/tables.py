@@ -45,8 +45,8 @@ def _read_tables_kernel(
 def read_tables(
     page_table: torch.Tensor,
     token_table: torch.Tensor,
-    page_writes: DeviceWrites | None,
-    token_writes: DeviceWrites | None,
+    page_writes: DeviceWrites,
+    token_writes: DeviceWrites,
     token_entries: torch.Tensor,
     page_entries: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,13 +54,15 @@ def read_tables(
     tables before their wait (pdl.py), so it must have finished before they start."""
     num_tokens = token_entries.shape[0]
     input_ids, out_loc = (torch.empty_like(token_entries) for _ in range(2))
-    no_writes = (token_entries, token_entries)  # any int32 pointers; nothing is read from them
-    page_entries_w, page_values = page_writes or no_writes
-    token_entries_w, token_values = token_writes or no_writes
+    # an empty view may point just past its buffer, a pointer Triton refuses: any int32 tensor
+    # does then, as nothing is read from it
+    no_writes = (token_entries, token_entries)
+    page_entries_w, page_values = page_writes if len(page_writes[1]) else no_writes
+    token_entries_w, token_values = token_writes if len(token_writes[1]) else no_writes
     _read_tables_kernel[(1,)](
         page_table, token_table,
-        page_entries_w, page_values, 0 if page_writes is None else page_values.shape[0],
-        token_entries_w, token_values, 0 if token_writes is None else token_values.shape[0],
+        page_entries_w, page_values, len(page_writes[1]),
+        token_entries_w, token_values, len(token_writes[1]),
         token_entries, page_entries, input_ids, out_loc, num_tokens,
         BLOCK=_BLOCK, num_warps=4,
     )  # fmt: skip
