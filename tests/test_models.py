@@ -22,7 +22,9 @@ from minisgl.utils import DEFAULT_MODEL_PATH
 from .conftest import DEVICE, hf_greedy, hf_model
 
 # (architecture, checkpoint options): GQA everywhere; tied and untied; Llama 3.1 rope scaling;
-# Qwen3's head_dim differs from hidden / heads; one checkpoint sharded over several files
+# Qwen3's head_dim differs from hidden / heads; one checkpoint sharded over several files;
+# Qwen3-MoE with 4 or 8 experts, top-2 or top-1, a dense layer among the sparse ones (by
+# mlp_only_layers or by decoder_sparse_step), weights renormalised or not
 VARIANTS = {
     "llama": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
@@ -44,6 +46,12 @@ VARIANTS = {
     "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
     "qwen3": ("qwen3", {}),
     "qwen3-sharded": ("qwen3", {"max_shard_size": "100KB", "tie_word_embeddings": False}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-8-experts-top1": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 1}),
+    "qwen3-moe-mlp-only-layer": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+    "qwen3-moe-sparse-step-2": ("qwen3_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2}),
+    "qwen3-moe-unnormalized": ("qwen3_moe", {"norm_topk_prob": False}),
+    "qwen3-moe-sharded": ("qwen3_moe", {"max_shard_size": "100KB", "num_experts": 8}),
 }
 PROMPT = [7, 300, 12, 99, 450, 3, 81, 81, 200, 17, 64, 5]
 
