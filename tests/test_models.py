@@ -127,7 +127,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> No
         Engine(EngineConfig(model_path=tmp_path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
 
 
-def _corrupt_copy(src: Path, dst: Path, edit) -> Path:
+def corrupt_copy(src: Path, dst: Path, edit) -> Path:
     dst.mkdir()
     for f in src.iterdir():
         if f.suffix != ".safetensors":
@@ -144,14 +144,14 @@ def test_wrong_shape_names_the_tensor_and_file(checkpoint, tmp_path: Path) -> No
     def edit(t: dict) -> None:
         t[name] = torch.zeros(3, 64)
 
-    path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
+    path = corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
     with pytest.raises(ValueError, match=rf"{name}.*model\.safetensors.*\(3, 64\)"):
         Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
 
 
 def test_missing_tensor_is_named(checkpoint, tmp_path: Path) -> None:
     name = "model.layers.0.mlp.up_proj.weight"
-    path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", lambda t: t.pop(name))
+    path = corrupt_copy(checkpoint("llama"), tmp_path / "bad", lambda t: t.pop(name))
     with pytest.raises(ValueError, match=rf"missing.*{name}"):
         Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
 
@@ -162,6 +162,6 @@ def test_unexpected_tensor_is_named(checkpoint, tmp_path: Path) -> None:
     def edit(t: dict) -> None:
         t[name] = torch.zeros(128, 64)
 
-    path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
+    path = corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
     with pytest.raises(ValueError, match=rf"unexpected.*{name}.*model\.safetensors"):
         Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
