@@ -144,10 +144,23 @@ def test_fused_and_per_expert_checkpoints_load_alike_on_each_rank(moe_path, tmp_
     assert torch.equal(down, whole[name + "down_proj"])
 
 
-def test_a_missing_expert_tensor_is_named(moe_path, tmp_path) -> None:
-    name = "model.layers.2.mlp.experts.5.up_proj.weight"
-    dst = corrupt_copy(moe_path, tmp_path / "bad", lambda t: t.pop(name))
-    with pytest.raises(ConfigError, match=rf"missing tensor\(s\) '{name}'$"):
+EXPERT = "model.layers.2.mlp.experts.{}.up_proj.weight"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop(EXPERT.format(5)), rf"missing tensor\(s\) '{EXPERT.format(5)}'$"),
+        (
+            lambda t: t.update({EXPERT.format(8): torch.zeros(32, 64)}),
+            rf"unexpected tensor '{EXPERT.format(8)}'",
+        ),
+    ],
+    ids=["missing", "past-the-last"],
+)
+def test_a_missing_or_extra_expert_tensor_is_named(moe_path, tmp_path, edit, message) -> None:
+    dst = corrupt_copy(moe_path, tmp_path / "bad", edit)
+    with pytest.raises(ConfigError, match=message):
         LLM(str(dst), device=DEVICE, dtype="float32", max_kv_tokens=256, max_model_len=256)
 
 

@@ -36,9 +36,11 @@ def per_expert(name: str) -> tuple[str, int, str] | None:
     return f"{prefix}.{_STACKED[projection][0]}", int(expert), projection
 
 
-def expert_shape(projection: str, c: ModelConfig) -> tuple[int, ...]:
-    """The full shape of one expert's gate_proj, up_proj or down_proj."""
+def expert_shape(expert: int, projection: str, c: ModelConfig) -> tuple[int, ...] | None:
+    """The full shape of one expert's gate_proj, up_proj or down_proj; None past the last."""
     assert c.moe is not None
+    if expert >= c.moe.num_experts:
+        return None
     inter = c.moe.intermediate_size
     return (c.hidden_size, inter) if projection == "down_proj" else (inter, c.hidden_size)
 

@@ -86,13 +86,11 @@ def _target(
     None if unknown). expert: `per_expert(name)`."""
     module, kind = name.split(".")[-2:]
     if expert is not None:
-        return expert[0], expert_shape(expert[2], config)
+        return expert[0], expert_shape(expert[1], expert[2], config)
     if module == "experts":
         return name, fused_shape(kind, config)
     if module in _MERGED:
-        return name.replace(f".{module}.", f".{_MERGED[module][0]}."), _checkpoint_shape(
-            module, kind, config
-        )
+        name = name.replace(f".{module}.", f".{_MERGED[module][0]}.")
     return name, _checkpoint_shape(module, kind, config)
 
 
