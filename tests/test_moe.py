@@ -68,6 +68,19 @@ def test_sparse_layers_are_the_ones_hf_makes_sparse(
     assert (moe.layers if moe is not None else ()) == sparse
 
 
+def test_the_random_router_uses_every_expert_without_ties(prompts, hf_reference) -> None:
+    """Ties in the router would make the top-k (and so the test) arbitrary: randomize_ must give
+    it weights that tell the experts apart."""
+    hf, _ = hf_reference
+    with torch.no_grad():
+        ids = [t for p in prompts for t in p]
+        out = hf(torch.tensor([ids], device=hf.device), output_router_logits=True)
+    for logits in out.router_logits:  # [tokens, experts] of each sparse layer
+        top = logits.float().topk(3, dim=-1)
+        assert len(set(top.indices[:, :2].flatten().tolist())) == MOE["num_experts"]
+        assert (top.values[:, 1] - top.values[:, 2]).min() > 1e-4  # the top-2's edge
+
+
 def test_batched_generate_equals_hf(moe_path, prompts, hf_reference) -> None:
     hf, want = hf_reference
     llm = LLM(str(moe_path), device=DEVICE, dtype="float32", max_kv_tokens=4096)
