@@ -13,6 +13,7 @@ from minisgl.kernel import torch_ops
 from minisgl.layers import get_rope, set_rope_device
 from minisgl.models import ModelConfig
 from minisgl.models.decoder import DecoderLayer
+from minisgl.moe.torch_backend import TorchMoE
 from minisgl.utils import resolve_model_path
 from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.torch_utils import torch_dtype
@@ -32,7 +33,7 @@ with (
     torch.device("meta"),
     torch_dtype(torch.bfloat16),
 ):  # build the structure only, allocating no memory
-    layer = DecoderLayer(config, layer_id=0)
+    layer = DecoderLayer(config, 0, TorchMoE())  # the MoE backend runs a sparse layer's experts
 for name, t in layer.state_dict(prefix="model.layers.0").items():
     print(f"{name:<50} {tuple(t.shape)!s:<14} {t.dtype} {t.device}")
 

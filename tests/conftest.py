@@ -77,6 +77,18 @@ ARCH_CONFIGS = {
         transformers.Qwen3ForCausalLM,
         dict(tie_word_embeddings=True, head_dim=32),
     ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            tie_word_embeddings=False,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+    ),
 }
 
 
@@ -85,7 +97,7 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and the experts' stacked ones
                 std = 0.3 if "embed_tokens" in name else 0.2
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif name.endswith("bias"):
@@ -149,8 +161,11 @@ def qwen3_path(checkpoint) -> str:
 
 
 def hf_model(path: Path) -> transformers.PreTrainedModel:
-    """The fp32 Hugging Face reference, on the device the engine under test uses."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    """The fp32 Hugging Face reference, on the device the engine under test uses; a mixture of
+    experts with its eager experts (its batched ones differ in the last bits)."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    options = {"experts_implementation": "eager"} if getattr(config, "num_experts", 0) else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **options)
     return model.to(DEVICE).eval()
 
 

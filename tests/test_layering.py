@@ -24,6 +24,7 @@ LAYERS = {
     "minisgl.engine.context": 3,
     "minisgl.attention": 4,
     "minisgl.layers": 4,
+    "minisgl.moe": 4,
     "minisgl.models": 5,
     "minisgl.engine": 6,
     "minisgl.scheduler": 7,

@@ -11,6 +11,7 @@ from minisgl.layers import BaseOP, OPList, StateLessOP, get_rope, set_rope_devic
 from minisgl.layers.linear import LinearRowParallel
 from minisgl.models import CausalLM, ModelConfig
 from minisgl.models.decoder import DecoderLayer
+from minisgl.moe.torch_backend import TorchMoE
 from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.torch_utils import torch_dtype
 
@@ -74,7 +75,7 @@ def test_meta_build_costs_no_memory_then_loads() -> None:
     config = ModelConfig.from_hf(cached_load_hf_config(QWEN3_TOKENIZER))
     set_rope_device(torch.device("cpu"))
     with torch.device("meta"), torch_dtype(torch.bfloat16):
-        layer = DecoderLayer(config, layer_id=0)
+        layer = DecoderLayer(config, 0, TorchMoE())
     state = layer.state_dict(prefix="model.layers.0")
     assert {t.device.type for t in state.values()} == {"meta"}
     assert state["model.layers.0.self_attn.qkv_proj.weight"].shape == (4096, 1024)
@@ -96,7 +97,7 @@ def test_tied_lm_head_has_no_weight_of_its_own() -> None:
     config = ModelConfig.from_hf(cached_load_hf_config(QWEN3_TOKENIZER))
     set_rope_device(torch.device("cpu"))
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, TorchMoE())
     names = model.state_dict()
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
 

@@ -22,7 +22,9 @@ from minisgl.utils import DEFAULT_MODEL_PATH
 from .conftest import DEVICE, hf_greedy, hf_model
 
 # (architecture, checkpoint options): GQA everywhere; tied and untied; Llama 3.1 rope scaling;
-# Qwen3's head_dim differs from hidden / heads; one checkpoint sharded over several files
+# Qwen3's head_dim differs from hidden / heads; one checkpoint sharded over several files;
+# Qwen3-MoE with 4 or 8 experts, top-2 or top-1, a dense layer among the sparse ones (by
+# mlp_only_layers or by decoder_sparse_step), weights renormalised or not
 VARIANTS = {
     "llama": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
@@ -44,6 +46,12 @@ VARIANTS = {
     "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
     "qwen3": ("qwen3", {}),
     "qwen3-sharded": ("qwen3", {"max_shard_size": "100KB", "tie_word_embeddings": False}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-8-experts-top1": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 1}),
+    "qwen3-moe-mlp-only-layer": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+    "qwen3-moe-sparse-step-2": ("qwen3_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2}),
+    "qwen3-moe-unnormalized": ("qwen3_moe", {"norm_topk_prob": False}),
+    "qwen3-moe-sharded": ("qwen3_moe", {"max_shard_size": "100KB", "num_experts": 8}),
 }
 PROMPT = [7, 300, 12, 99, 450, 3, 81, 81, 200, 17, 64, 5]
 
@@ -119,7 +127,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> No
         Engine(EngineConfig(model_path=tmp_path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
 
 
-def _corrupt_copy(src: Path, dst: Path, edit) -> Path:
+def corrupt_copy(src: Path, dst: Path, edit) -> Path:
     dst.mkdir()
     for f in src.iterdir():
         if f.suffix != ".safetensors":
@@ -136,14 +144,14 @@ def test_wrong_shape_names_the_tensor_and_file(checkpoint, tmp_path: Path) -> No
     def edit(t: dict) -> None:
         t[name] = torch.zeros(3, 64)
 
-    path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
+    path = corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
     with pytest.raises(ValueError, match=rf"{name}.*model\.safetensors.*\(3, 64\)"):
         Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
 
 
 def test_missing_tensor_is_named(checkpoint, tmp_path: Path) -> None:
     name = "model.layers.0.mlp.up_proj.weight"
-    path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", lambda t: t.pop(name))
+    path = corrupt_copy(checkpoint("llama"), tmp_path / "bad", lambda t: t.pop(name))
     with pytest.raises(ValueError, match=rf"missing.*{name}"):
         Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
 
@@ -154,6 +162,6 @@ def test_unexpected_tensor_is_named(checkpoint, tmp_path: Path) -> None:
     def edit(t: dict) -> None:
         t[name] = torch.zeros(128, 64)
 
-    path = _corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
+    path = corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
     with pytest.raises(ValueError, match=rf"unexpected.*{name}.*model\.safetensors"):
         Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))

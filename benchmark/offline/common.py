@@ -213,6 +213,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--moe-backend", default="auto")
     parser.add_argument("--no-cuda-graph", action="store_true", help="cuda_graph_max_bs=0")
     parser.add_argument("--no-overlap", action="store_true", help="no overlap scheduling")
     parser.add_argument("--json", help="also write the results here")
@@ -226,6 +227,7 @@ def build_llm(args: argparse.Namespace, **kwargs: Any) -> LLM:
         dtype=args.dtype,
         page_size=args.page_size,
         attention_backend=args.attention_backend,
+        moe_backend=args.moe_backend,
         cuda_graph_max_bs=0 if args.no_cuda_graph else None,
         overlap=not args.no_overlap,
         dummy_weights=True,

@@ -1,4 +1,4 @@
-"""Engine = model + KV pool + attention backend + sampler (+ CUDA graphs).
+"""Engine = model + KV pool + attention backend + sampler (+ MoE backend, CUDA graphs).
 
 It computes a batch and returns sampled tokens; it never changes a request. It allocates the two
 device tables a batch reads, the page table and the token table, but their entries are decided
@@ -26,6 +26,7 @@ from minisgl.kernel import sample_tokens
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.linear import local_kv_heads
 from minisgl.models import CausalLM, ModelConfig, load_model
+from minisgl.moe import MOE_BACKENDS
 from minisgl.utils import init_logger
 from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.torch_utils import pack_to_device, resolve_device, resolve_dtype
@@ -65,10 +66,13 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = ModelConfig.from_hf(cached_load_hf_config(config.model_path))
         self.num_kv_heads = local_kv_heads(self.model_config.num_kv_heads, config.tp_size)
+        self.moe_backend_name = MOE_BACKENDS.resolve(config.moe_backend, self.device.type)
+        self.moe_backend = MOE_BACKENDS.get(self.moe_backend_name)()
         free_before = _free_memory(self.device)
         self.model = load_model(
-            config.model_path, self.model_config, self.device, self.dtype, config.dummy_weights
-        )
+            config.model_path, self.model_config, self.device, self.dtype, self.moe_backend,
+            config.dummy_weights,
+        )  # fmt: skip
         self.weight_bytes = sum(
             t.numel() * t.element_size() for t in self.model.state_dict().values()
         )
@@ -115,7 +119,9 @@ class Engine:
             f"{layout.num_pages * layout.page_size:,} tokens in {layout.num_pages:,} pages of "
             f"{layout.page_size}",
             f"max model length {layout.max_seq_len:,}; up to {c.max_running_requests} running "
-            f"requests; attention {self.attn_backend_name}; CUDA graphs for batches {graphs}",
+            f"requests; attention {self.attn_backend_name}"
+            f"{f'; MoE {self.moe_backend_name}' if mc.moe is not None else ''}"
+            f"; CUDA graphs for batches {graphs}",
             f"built in {self.build_seconds:.1f} s",
         ]
 
@@ -177,10 +183,13 @@ class Engine:
         max_bs = c.cuda_graph_max_bs
         if max_bs is None:
             max_bs = c.max_running_requests if self.device.type == "cuda" else 0
-        if max_bs > 0 and self.device.type == "cuda" and not self.attn_backend.supports_cuda_graph:
-            logger.warning(
-                "the %s attention backend runs without CUDA graphs", self.attn_backend_name
-            )
+        blockers = []
+        if not self.attn_backend.supports_cuda_graph:
+            blockers.append(f"the {self.attn_backend_name} attention backend")
+        if self.model_config.moe is not None and not self.moe_backend.supports_cuda_graph:
+            blockers.append(f"the {self.moe_backend_name} MoE backend")
+        if max_bs > 0 and self.device.type == "cuda" and blockers:
+            logger.warning("%s: no CUDA graphs", " and ".join(blockers))
             max_bs = 0
         if max_bs == 0:
             return None

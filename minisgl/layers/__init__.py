@@ -7,6 +7,7 @@ from .linear import (
     LinearRowParallel,
     local_kv_heads,
 )
+from .moe import SparseMLP
 from .norm import RMSNorm
 from .rotary import get_rope, set_rope_device
 
@@ -19,6 +20,7 @@ __all__ = [
     "OPList",
     "ParallelLMHead",
     "RMSNorm",
+    "SparseMLP",
     "StateLessOP",
     "VocabParallelEmbedding",
     "get_rope",

@@ -6,6 +6,7 @@ from tqdm import tqdm
 
 from minisgl.distributed import get_tp_info
 from minisgl.layers import set_rope_device
+from minisgl.moe.base import MoEBackend
 from minisgl.utils.torch_utils import torch_dtype
 
 from .config import ARCHITECTURES, ModelConfig
@@ -20,12 +21,13 @@ def load_model(
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
+    moe_backend: MoEBackend,
     dummy_weights: bool = False,
 ) -> CausalLM:
     """Build the model on the meta device (instant, no memory), then stream its weights in."""
     set_rope_device(device)
     with torch.device("meta"), torch_dtype(dtype):
-        model = CausalLM(config)
+        model = CausalLM(config, moe_backend)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if dummy_weights:
         state = {name: _random_tensor(shape, device, dtype) for name, shape in expected.items()}

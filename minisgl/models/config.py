@@ -12,6 +12,7 @@ class ArchTraits:
 
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     qkv_bias: bool | None = None  # None: read config.attention_bias
+    moe: bool = False  # sparse layers of routed experts (Qwen3-MoE's config fields)
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -19,7 +20,19 @@ ARCHITECTURES: dict[str, ArchTraits] = {
     "MistralForCausalLM": ArchTraits(),
     "Qwen2ForCausalLM": ArchTraits(qkv_bias=True),
     "Qwen3ForCausalLM": ArchTraits(qk_norm=True),
+    "Qwen3MoeForCausalLM": ArchTraits(qk_norm=True, moe=True),
 }
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse layers: each token runs through `top_k` of `num_experts` gated MLPs."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k probabilities rescaled to sum to 1 (norm_topk_prob)
+    layers: tuple[int, ...]  # the sparse layers' ids; the others have a dense MLP
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoEConfig | None  # None: every layer dense
 
     @classmethod
     def from_hf(cls, config: PretrainedConfig) -> "ModelConfig":
@@ -79,7 +93,29 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=traits.qk_norm,
+            moe=_moe_config(config) if traits.moe else None,
         )
+
+
+def _moe_config(config: PretrainedConfig) -> MoEConfig | None:
+    """Which layers are sparse, decided as Hugging Face's Qwen3MoeDecoderLayer decides: those
+    not in mlp_only_layers whose number (from 1) is a multiple of decoder_sparse_step."""
+    num_experts = config.num_experts
+    dense = set(config.mlp_only_layers)
+    layers = tuple(
+        i
+        for i in range(config.num_hidden_layers)
+        if i not in dense and num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+    )
+    if not layers:
+        return None
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=bool(config.norm_topk_prob),
+        layers=layers,
+    )
 
 
 def _rope_settings(config: PretrainedConfig) -> tuple[float, RopeScaling | None]:

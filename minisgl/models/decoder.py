@@ -1,4 +1,5 @@
-"""The one decoder: Llama, Mistral, Qwen2 and Qwen3 differ only in what ModelConfig says."""
+"""The one decoder: Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE differ only in what ModelConfig
+says."""
 
 import torch
 
@@ -12,10 +13,12 @@ from minisgl.layers import (
     OPList,
     ParallelLMHead,
     RMSNorm,
+    SparseMLP,
     VocabParallelEmbedding,
     get_rope,
     local_kv_heads,
 )
+from minisgl.moe.base import MoEBackend
 from minisgl.utils import div_even
 
 from .config import ModelConfig
@@ -61,10 +64,20 @@ class GatedMLP(BaseOP):
         return self.down_proj.forward(hidden), residual
 
 
+def _mlp(config: ModelConfig, layer_id: int, moe_backend: MoEBackend) -> GatedMLP | SparseMLP:
+    moe = config.moe
+    if moe is None or layer_id not in moe.layers:
+        return GatedMLP(config)
+    return SparseMLP(
+        config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize,
+        moe_backend,
+    )  # fmt: skip
+
+
 class DecoderLayer(BaseOP):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, moe_backend: MoEBackend) -> None:
         self.self_attn = RopeAttn(config, layer_id)
-        self.mlp = GatedMLP(config)
+        self.mlp = _mlp(config, layer_id, moe_backend)
         # weights only: each norm runs inside the projection after it (forward_normed)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -78,9 +91,11 @@ class DecoderLayer(BaseOP):
 
 
 class DecoderModel(BaseOP):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, moe_backend: MoEBackend) -> None:
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = OPList([DecoderLayer(config, i) for i in range(config.num_layers)])
+        self.layers = OPList(
+            [DecoderLayer(config, i, moe_backend) for i in range(config.num_layers)]
+        )
         # weights only: the final norm runs inside the LM head
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -97,10 +112,11 @@ class DecoderModel(BaseOP):
 
 class CausalLM(BaseOP):
     """Decoder + LM head. `forward` computes the current forward's batch (`engine.context`) and
-    returns the logits of each request's last token."""
+    returns the logits of each request's last token. `moe_backend` runs the sparse layers'
+    experts (a dense model never calls it)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        self.model = DecoderModel(config)
+    def __init__(self, config: ModelConfig, moe_backend: MoEBackend) -> None:
+        self.model = DecoderModel(config, moe_backend)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied)
 

@@ -1,5 +1,6 @@
 """Streaming safetensors loader: reads one tensor at a time, slices it for this TP rank, merges
-q/k/v -> qkv_proj and gate/up -> gate_up_proj on the way, and checks every name and shape."""
+q/k/v -> qkv_proj and gate/up -> gate_up_proj (and stacks experts, expert_weights.py) on the
+way, and checks every name and shape."""
 
 import json
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from minisgl.layers import local_kv_heads
 from minisgl.utils import div_ceil
 
 from .config import ModelConfig
+from .expert_weights import ExpertStacker, expert_shape, fused_shape, per_expert, shard_fused
 
 # checkpoint projection -> (merged name, position inside it)
 _MERGED = {
@@ -46,6 +48,8 @@ def _checkpoint_shape(module: str, kind: str, c: ModelConfig) -> tuple[int, ...]
         "post_attention_layernorm": (hidden,),
         "norm": (hidden,),
     }
+    if c.moe is not None:
+        weights["gate"] = (c.moe.num_experts, hidden)  # the router
     shape = weights.get(module)
     if shape is None or kind not in ("weight", "bias"):
         return None
@@ -75,6 +79,21 @@ def _shard(
     return tensor_slice[:]
 
 
+def _target(
+    name: str, expert: tuple[str, int, str] | None, config: ModelConfig
+) -> tuple[str, tuple[int, ...] | None]:
+    """(the model's tensor a checkpoint tensor goes into, the checkpoint tensor's full shape;
+    None if unknown). expert: `per_expert(name)`."""
+    module, kind = name.split(".")[-2:]
+    if expert is not None:
+        return expert[0], expert_shape(expert[1], expert[2], config)
+    if module == "experts":
+        return name, fused_shape(kind, config)
+    if module in _MERGED:
+        name = name.replace(f".{module}.", f".{_MERGED[module][0]}.")
+    return name, _checkpoint_shape(module, kind, config)
+
+
 def checkpoint_files(model_path: Path) -> list[Path]:
     index = model_path / "model.safetensors.index.json"
     if index.is_file():
@@ -97,6 +116,7 @@ def load_weights(
     """Yield (name in the model, tensor on `device`) for this rank. `expected` maps every name the
     model wants to its local shape; a checkpoint that disagrees raises a ValueError naming the tensor."""
     pending: dict[str, dict[int, torch.Tensor]] = {}
+    stacker = ExpertStacker(expected, config.moe.num_experts if config.moe is not None else 0)
     seen: set[str] = set()
     for file in checkpoint_files(model_path):
         with safe_open(str(file), framework="pt", device=str(device)) as f:
@@ -106,9 +126,8 @@ def load_weights(
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # the LM head shares embed_tokens' weight
                 module, kind = name.split(".")[-2:]
-                full_shape = _checkpoint_shape(module, kind, config)
-                merged, part = _MERGED.get(module, (module, 0))
-                target = name.replace(f".{module}.", f".{merged}.") if module in _MERGED else name
+                expert = per_expert(name) if config.moe is not None else None
+                target, full_shape = _target(name, expert, config)
                 if full_shape is None or target not in expected:
                     raise ConfigError(f"unexpected tensor {name!r} in {file.name}")
                 tensor_slice = f.get_slice(name)
@@ -117,11 +136,22 @@ def load_weights(
                     raise ConfigError(
                         f"tensor {name!r} in {file.name} has shape {shape}, expected {full_shape}"
                     )
-                tensor = _shard(module, tensor_slice, full_shape, config, tp).to(device, dtype)
+                if module == "experts":
+                    tensor = shard_fused(kind, tensor_slice, config, tp)
+                else:
+                    tensor = _shard(module, tensor_slice, full_shape, config, tp)
+                tensor = tensor.to(device, dtype)
+                if expert is not None:
+                    stacked = stacker.add(target, expert[1], expert[2], tensor)
+                    if stacked is not None:
+                        seen.add(target)
+                        yield target, stacked
+                    continue
                 if module not in _MERGED:
                     seen.add(target)
                     yield target, tensor
                     continue
+                merged, part = _MERGED[module]
                 parts = pending.setdefault(target, {})
                 parts[part] = tensor
                 if len(parts) == _PARTS[merged]:
@@ -131,15 +161,20 @@ def load_weights(
     missing = [name for name in expected if name not in seen]
     if missing:
         raise ConfigError(
-            f"checkpoint {model_path} is missing tensor(s) {_describe_missing(missing, pending)}"
+            f"checkpoint {model_path} is missing tensor(s) "
+            f"{_describe_missing(missing, pending, stacker)}"
         )
 
 
-def _describe_missing(missing: list[str], pending: dict[str, dict[int, torch.Tensor]]) -> str:
+def _describe_missing(
+    missing: list[str], pending: dict[str, dict[int, torch.Tensor]], stacker: ExpertStacker
+) -> str:
     names = []
     for name in missing:
         merged = name.split(".")[-2]
-        if merged in _PARTS:
+        if stacker.missing(name):
+            names += stacker.missing(name)
+        elif merged in _PARTS:
             got = pending.get(name, {})
             for module, (target, part) in _MERGED.items():
                 if target == merged and part not in got:

@@ -18,6 +18,7 @@ from typing import Any, get_args
 from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.config import EngineConfig, SchedulerConfig
 from minisgl.kvcache import PREFIX_CACHES
+from minisgl.moe import MOE_BACKENDS
 from minisgl.utils import DEFAULT_MODEL_PATH, resolve_model_path
 
 from .args import ServerArgs
@@ -35,6 +36,7 @@ _FIELD_NAMES = {"tp": "tp_size"}
 _CHOICES = {
     "cache": PREFIX_CACHES.choices(),
     "attention_backend": ATTENTION_BACKENDS.choices(),
+    "moe_backend": MOE_BACKENDS.choices(),
     "log_level": ["debug", "info", "warning", "error"],
     "tool_call_parser": sorted(TOOL_PARSERS),
     "reasoning_parser": sorted(REASONING_PARSERS),
@@ -55,6 +57,7 @@ _HELP = {
     "chunk_size": "tokens per step, decodes first; longer prompts in chunks",
     "cache": "prefix cache policy",
     "attention_backend": "attention kernels",
+    "moe_backend": "mixture-of-experts kernels (for a model with experts)",
     "cuda_graph_max_bs": "largest decode batch replayed from a CUDA graph; 0 turns graphs off "
     "(default: --max-running-requests on cuda)",
     "overlap": "build step k+1 on the CPU while the GPU runs step k (--no-overlap: one after the "

@@ -10,6 +10,7 @@ from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.config import check_kv_capacity, max_seq_len
 from minisgl.kvcache import PREFIX_CACHES
 from minisgl.models.config import ModelConfig
+from minisgl.moe import MOE_BACKENDS
 from minisgl.tokenizer.loader import check_tokenizer
 from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.torch_utils import resolve_device, resolve_dtype
@@ -29,6 +30,7 @@ def check_settings(args: ServerArgs) -> None:
             f"--tp {engine.tp_size} needs as many GPUs; {torch.cuda.device_count()} found"
         )
     ATTENTION_BACKENDS.resolve(engine.attention_backend, device.type)
+    MOE_BACKENDS.resolve(engine.moe_backend, device.type)
     PREFIX_CACHES.resolve(args.scheduler.cache, device.type)
     _check_model(args)
     _check_port_free(args.host, args.port)

@@ -1,0 +1,72 @@
+"""The sparse MLP of a mixture-of-experts layer (Qwen3-MoE): a router picks each token's top-k
+experts, an MoE backend runs them. Under TP each rank holds a slice of every expert's
+intermediate dimension, as of a dense MLP's, and the partial outputs are summed across ranks."""
+
+import torch
+
+from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.kernel import fused_add_rmsnorm, linear
+from minisgl.moe.base import MoEBackend, Routing
+from minisgl.utils import div_even
+
+from .base import BaseOP
+from .norm import RMSNorm
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Each token's top-k experts by the softmax over them, their weights rescaled to sum to 1
+    when `renormalize`; in fp32, as Hugging Face computes them."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(weights.to(router_logits.dtype), ids)
+
+
+class Router(BaseOP):
+    """The gate's [experts, hidden] weight, whole on every rank."""
+
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        self.weight = torch.empty(num_experts, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+class Experts(BaseOP):
+    """Every expert's gated MLP, stacked: gate_up_proj [experts, 2 * inter, hidden] (each
+    expert's gate rows, then its up rows) and down_proj [experts, hidden, inter], inter being
+    this rank's slice. Weights only: the MoE backend runs them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        local = div_even(intermediate_size, get_tp_info().size)
+        self.gate_up_proj = torch.empty(num_experts, 2 * local, hidden_size)
+        self.down_proj = torch.empty(num_experts, hidden_size, local)
+
+
+class SparseMLP(BaseOP):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        backend: MoEBackend,
+    ) -> None:
+        self.gate = Router(num_experts, hidden_size)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self._top_k = top_k
+        self._renormalize = renormalize
+        self._backend = backend
+        self._tp_size = get_tp_info().size
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, input_norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' output for norm(x + residual) and the new residual, x + residual."""
+        x = fused_add_rmsnorm(x, residual, input_norm.weight, input_norm.eps)
+        routing = route(self.gate.forward(x), self._top_k, self._renormalize)
+        experts = self.experts
+        out = self._backend.forward(x, experts.gate_up_proj, experts.down_proj, routing)
+        return (out if self._tp_size == 1 else all_reduce(out)), residual
