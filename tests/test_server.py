@@ -215,6 +215,7 @@ BAD_BODIES = {
         "response_format": {"type": "json_schema"}
     },
     "two output constraints": {"guided_regex": "a", "structured_outputs": {"choice": ["a"]}},
+    "one constraint twice": {"guided_regex": "a", "structured_outputs": {"regex": "b"}},
 }
 
 

@@ -386,7 +386,7 @@ class Scheduler:
                     stops |= self.eos_ids
                 for t in stops:
                     if t < self.layout.vocab_size:  # stop ids past it are never sampled
-                        words[j, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+                        words[j, t >> 5] &= ~np.uint32(1 << (t & 31))
         return TokenMasks(rows, bits)
 
     def check_integrity(self) -> None:

@@ -138,21 +138,22 @@ class _GenerateRequest(_Strict):
                 raise ApiError(400, "response_format json_schema needs json_schema.schema")
             given.append(StructuredOutput(json_schema=orjson.dumps(schema.schema_).decode()))
         so = self.structured_outputs or StructuredOutputs()
-        so_fields = {
-            "json": so.json_ if so.json_ is not None else self.guided_json,
-            "regex": so.regex if so.regex is not None else self.guided_regex,
-            "choice": so.choice if so.choice is not None else self.guided_choice,
-            "grammar": so.grammar if so.grammar is not None else self.guided_grammar,
-        }
         if so.json_object:
             given.append(StructuredOutput(json_object=True))
-        if (schema := so_fields.pop("json")) is not None:
-            text = schema if isinstance(schema, str) else orjson.dumps(schema).decode()
-            given.append(StructuredOutput(json_schema=text))
-        try:
-            given += [StructuredOutput(**{k: v}) for k, v in so_fields.items() if v is not None]
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+        sources = [
+            ("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+            ("grammar", so.grammar), ("json_schema", self.guided_json),
+            ("regex", self.guided_regex), ("choice", self.guided_choice),
+            ("grammar", self.guided_grammar),
+        ]  # fmt: skip
+        for kind, value in sources:
+            if isinstance(value, dict):  # a schema given as an object
+                value = orjson.dumps(value).decode()
+            if value is not None:
+                try:
+                    given.append(StructuredOutput(**{kind: value}))
+                except ValueError as e:
+                    raise ApiError(400, str(e)) from None
         if len(given) > 1:
             raise ApiError(400, "give one output constraint: response_format, structured_outputs "
                            "or guided_* name more than one")  # fmt: skip
