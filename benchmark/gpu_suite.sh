@@ -3,7 +3,8 @@
 # Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
 #
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
-#   PART: kernels sweep-attention gemv host latency bench bench-hf profile latency-profile cprofile
+#   PART: kernels sweep-attention gemv host latency bench bench-hf profile profile-shapes shapes
+#         prefill latency-profile cprofile
 #         ablations pdl baseline tests tests-engine serving serving-8b
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
@@ -70,6 +71,22 @@ for part in "$@"; do
     bench-hf) step bench_hf 300 python3 benchmark/offline/bench.py --json "$OUT/bench_hf.json" ;;
     profile) step profile 300 python3 benchmark/offline/bench.py --skip-hf --profile ;;
     cprofile) step cprofile 300 python3 -m cProfile -o "$OUT/bench.prof" benchmark/offline/bench.py --skip-hf ;;
+    profile-shapes)  # where the large shapes leave the floor (issue 27)
+      for preset in ${PRESETS:-llama-3.1-8b qwen2.5-7b}; do
+        step "profile_$preset" 300 python3 benchmark/offline/bench.py --skip-hf --profile \
+          --model "benchmark/presets/$preset" --json "$OUT/profile_$preset.json"
+      done ;;
+    shapes)  # each large shape against its bandwidth floor and its roofline (issue 27)
+      for preset in ${PRESETS:-llama-3.1-8b qwen3-8b qwen2.5-7b}; do
+        step "bench_$preset" 300 python3 benchmark/offline/bench.py --skip-hf --repeats "${REPEATS:-1}" \
+          --model "benchmark/presets/$preset" --json "$OUT/bench_$preset.json"
+      done ;;
+    prefill)  # MFU at 8k tokens in one request, then the long-context row (issue 27)
+      step prefill_qwen3-0.6b 180 python3 benchmark/offline/prefill.py --json "$OUT/prefill_qwen3-0.6b.json"
+      step prefill_llama-3.1-8b 180 python3 benchmark/offline/prefill.py \
+        --model benchmark/presets/llama-3.1-8b --json "$OUT/prefill_llama-3.1-8b.json"
+      step prefill_long 300 python3 benchmark/offline/prefill.py --model benchmark/presets/llama-3.1-8b \
+        --num-requests 16 --min-len 16384 --max-len 32768 --repeats 3 --json "$OUT/prefill_long.json" ;;
     latency-profile)
       step latency_profile 240 python3 benchmark/offline/bench.py --skip-hf --profile --num-requests 1 \
         --min-len 256 --max-len 512 ;;
@@ -88,7 +105,8 @@ for part in "$@"; do
         --timeout 300 --durations=10 -p no:cacheprovider tests ;;
     tests-engine)  # everything but the server processes
       MINISGL_TEST_DEVICE=cuda step tests_engine 330 python3 -m pytest -q -x -p no:cacheprovider tests \
-        --ignore-glob='tests/test_server*' --ignore=tests/test_shell.py ;;
+        --ignore-glob='tests/test_server*' --ignore=tests/test_shell.py --ignore=tests/stress \
+        --ignore=tests/test_bench_serving.py ;;
     serving) serving serving tests/assets/qwen3-tokenizer ;;
     serving-8b) serving serving_8b benchmark/presets/llama-3.1-8b ;;
     *) echo "unknown part $part" ;;

@@ -106,6 +106,10 @@ class LLM:
                 bar.update(sum(f.rid in runs for f in out.finished) + len(stopped))
         return [runs[rid].result for rid in rids]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`); returns the pages freed."""
+        return self.scheduler.kv.flush_prefix_cache()
+
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],

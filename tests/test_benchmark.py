@@ -14,7 +14,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark" / "host
 import bench
 import bench_decode_step
 import latency
+import prefill
 from common import floor_bytes, make_workload
+from roofline import ModelCost, roofline_seconds
+
+from minisgl.models.config import ModelConfig
+from minisgl.utils.hf import cached_load_hf_config
+
+PRESETS = Path(__file__).resolve().parents[1] / "benchmark" / "presets"
 
 SMOKE = ["--device", "cpu", "--dtype", "float32"]
 
@@ -23,6 +30,28 @@ def test_floor_bytes_match_hand_computation() -> None:
     # two steps read the weights (100 B each); KV tokens read: request 0 at t=1 reads 2+1,
     # request 1 at t=1 reads 3+1 and at t=2 reads 3+2, so 3 + 4 + 5 = 12 tokens of 10 B
     assert floor_bytes([2, 3], [1, 2], weight_bytes=100, kv_per_token=10) == 2 * 100 + 12 * 10
+
+
+@pytest.mark.parametrize(
+    ("bandwidth", "peak", "seconds"),
+    # prefill: 2 tokens x 10 + 3 causal pairs x 1 + the head's 2 = 25 FLOPs; the one decode step
+    # reads 100 B of weights and 3 tokens x 10 B of KV and does 12 matmul + 3 attention FLOPs
+    [(1.0, 1.0, (25 + 130, 25 + 100 + 30)), (10.0, 1.0, (25 + 15, 25 + 12 + 3))],
+)
+def test_roofline_matches_hand_computation(
+    bandwidth: float, peak: float, seconds: tuple[float, float]
+) -> None:
+    cost = ModelCost(layer_flops=10, head_flops=2, attention_flops=1)
+    got = roofline_seconds([2], [1], cost, 100, 10, bandwidth, peak)
+    assert got == pytest.approx(seconds)
+
+
+def test_model_cost_counts_llama_8b_parameters() -> None:
+    mc = ModelConfig.from_hf(cached_load_hf_config(str(PRESETS / "llama-3.1-8b")))
+    cost = ModelCost.of(mc)
+    embedding = mc.vocab_size * mc.hidden_size
+    params = (cost.layer_flops + cost.head_flops) / 2 + embedding
+    assert params == pytest.approx(8_030_261_248, rel=1e-4)  # less the norms' 266,240
 
 
 def test_standard_workload_has_nano_vllm_lengths() -> None:
@@ -54,11 +83,12 @@ def test_workload_ids_fit_a_small_vocabulary() -> None:
 def test_bench_reports_the_workload_tokens(checkpoint) -> None:
     args = ["--model", str(checkpoint("qwen3")), *SMOKE, "--num-requests", "4"]
     args += ["--min-len", "8", "--max-len", "16", "--hf-requests", "2", "--profile"]
-    result = bench.main(args)
+    result = bench.main(args + ["--repeats", "2"])
 
     workload = make_workload(4, 8, 16, vocab_size=512)
-    ours, floor, hf = result["rows"]
-    for row in (ours, floor):
+    ours, floor, roofline, serial, hf = result["rows"]
+    assert floor["seconds"] <= roofline["seconds"] <= serial["seconds"]
+    for row in (ours, floor, roofline):
         assert (row["requests"], row["output_tokens"]) == (4, workload.output_tokens)
     # HF gets one max_new_tokens for all: the mean output length
     assert (hf["requests"], hf["output_tokens"]) == (
@@ -73,6 +103,16 @@ def test_latency_reports_the_requested_tokens(checkpoint) -> None:
     args = ["--model", str(checkpoint("llama")), *SMOKE, "--prompt-len", "16", "--output-len", "8"]
     ours, floor = latency.main(args)["rows"]
     assert ours["output_tokens"] == floor["output_tokens"] == 8
+
+
+def test_prefill_counts_every_prompt_token(checkpoint) -> None:
+    args = ["--model", str(checkpoint("qwen3")), *SMOKE, "--num-requests", "3"]
+    ours, peak = prefill.main(args + ["--min-len", "20", "--max-len", "40", "--repeats", "2"])[
+        "rows"
+    ]
+    workload = make_workload(3, 20, 40, vocab_size=512)
+    assert ours["prompt_tokens"] == peak["prompt_tokens"] == workload.prompt_tokens
+    assert ours["MFU_%"] > 0 and peak["MFU_%"] == 100
 
 
 @pytest.mark.parametrize("temperature", ["0", "0.6"])

@@ -174,6 +174,22 @@ def test_shared_prefix_is_reused_and_outputs_unchanged(model_path) -> None:
     llm.scheduler.check_integrity()
 
 
+def test_reset_prefix_cache_frees_every_cached_page_and_the_next_run_recomputes(
+    model_path,
+) -> None:
+    prompt = list(range(1, 70))
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=2048, page_size=4)
+    first = llm.generate([prompt], sp, use_tqdm=False)[0]
+    kv = llm.scheduler.kv
+    cached = len(kv.prefix_cache.cached_pages())
+    assert cached > 0 and llm.reset_prefix_cache() == cached
+    assert kv.allocator.num_free == kv.num_pages and not kv.prefix_cache.cached_pages()
+    again = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert again["cached_tokens"] == 0 and again["token_ids"] == first["token_ids"]
+    llm.scheduler.check_integrity()
+
+
 def test_requests_in_one_batch_share_a_prefix_computed_earlier_in_the_same_call(model_path) -> None:
     rng = random.Random(2)
     prefix = [rng.randrange(512) for _ in range(64)]

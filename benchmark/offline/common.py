@@ -104,18 +104,21 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: 
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # warm-up: first-touch page faults, lazy driver init
-    seconds = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
-        else:
-            seconds.append(timed(lambda: dst.copy_(src), device)[1])
+    seconds = [device_seconds(lambda: dst.copy_(src), device) for _ in range(repeats)]
     return 2 * nbytes / statistics.median(seconds)
+
+
+def device_seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of `fn` keeps the device busy: CUDA events around it on a GPU (no host
+    time in the figure), the host's clock after a synchronize elsewhere."""
+    if device.type != "cuda":
+        return timed(fn, device)[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def model_bytes(llm: LLM) -> tuple[int, int]:
@@ -147,7 +150,12 @@ def floor_row(
         floor_bytes(workload.prompt_lens, workload.output_lens, weight_bytes, kv_per_token)
         / bandwidth
     )
-    # all requests decode together, so the run takes as many steps as the longest output
+    return bound_row(name, workload, seconds)
+
+
+def bound_row(name: str, workload: Workload, seconds: float) -> Row:
+    """The row of a lower bound on the workload's time; all requests decode together, so the run
+    takes as many steps as the longest output."""
     return result_row(
         name,
         len(workload.prompts),
