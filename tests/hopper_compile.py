@@ -104,6 +104,17 @@ def call_every_wrapper() -> None:
     for writes in ((ints(3), ints(3)), (ints(0), ints(0))):
         ops.read_tables(page_table, ints(64), writes, writes, ints(3), ints(3))
 
+    from minisgl.kernel.triton.fused_moe import _GROUPED_TILES, _LARGE_TILE
+
+    experts, inter, top_k = 128, 768, 8  # Qwen3-30B-A3B's experts
+    w13 = x(1, 1, hidden).expand(experts, 2 * inter, hidden)
+    w2 = x(1, 1, inter).expand(experts, hidden, inter)
+    for tokens, tile in (
+        [(1, None)] + [(64, tile) for _, tile in _GROUPED_TILES] + [(64, _LARGE_TILE)]
+    ):
+        ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+        ops.fused_moe(x(tokens, hidden), w13, w2, x(tokens, top_k), ids, tile)
+
 
 if __name__ == "__main__":
     assert "TRITON_INTERPRET" not in os.environ, "the interpreter compiles nothing"
