@@ -11,7 +11,8 @@ from minisgl.kernel.triton.fused_moe import (
     _GROUPED_TILES,
     _LARGE_TILE,
     MoETile,
-    fused_moe,
+    gemv_moe,
+    grouped_moe,
 )
 from minisgl.kernel.triton.moe_align import align_by_expert, max_blocks
 from minisgl.layers.moe import route
@@ -79,7 +80,9 @@ def run_both(
     weights, ids = make_routing(tokens, experts, top_k, used)
     routing = Routing(weights.to(dtype), ids)
     want = TorchMoE().forward(x, w13, w2, routing)
-    return fused_moe(x, w13, w2, routing.weights, ids, tile), want
+    if tile is None:
+        return gemv_moe(x, w13, w2, routing.weights, ids), want
+    return grouped_moe(x, w13, w2, routing.weights, ids, tile), want
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

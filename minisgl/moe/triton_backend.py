@@ -14,4 +14,4 @@ class TritonMoE(MoEBackend):
     def forward(
         self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing
     ) -> torch.Tensor:
-        return fused_moe(x, w13, w2, routing.weights, routing.ids)
+        return fused_moe(x, w13, w2, routing.weights.contiguous(), routing.ids.contiguous())

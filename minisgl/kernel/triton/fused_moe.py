@@ -183,31 +183,43 @@ def _moe_down_kernel(
     tl.store(out_ptr + slots[:, None] * stride_out + n[None, :], out, mask=mask)
 
 
-def _block_k(block_k: int, k: int) -> int:
-    return min(block_k, max(16, triton.next_power_of_2(k)))
+def _check(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> None:
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    assert w13.shape[1] == 2 * w2.shape[2] and ids.shape == weights.shape
+    assert ids.is_contiguous() and weights.is_contiguous()
 
 
-def _gemv_moe(
+def _block_k(block_k: int, k: int, dtype: torch.dtype) -> int:
+    """The tiles' block_k counts 2-byte elements: fp32 takes half as many (a pipeline stage
+    needs the same shared memory), and no more than K needs."""
+    return min(block_k * 2 // dtype.itemsize, max(16, triton.next_power_of_2(k)))
+
+
+def gemv_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
+    """fused_moe's path for a few tokens: a GEMV per pair, then one per token over its pairs."""
+    _check(x, w13, w2, weights, ids)
     (tokens, top_k), (hidden, inter) = ids.shape, w2.shape[1:]
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     gate_up, down = _GEMV_GATE_UP, _GEMV_DOWN
     _moe_gemv_gate_up_kernel[(triton.cdiv(inter, gate_up.block_n // 2), tokens * top_k)](
         x, w13, ids, h, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, BLOCK_N=gate_up.block_n, BLOCK_K=_block_k(gate_up.block_k, hidden),
+        TOP_K=top_k, BLOCK_N=gate_up.block_n, BLOCK_K=_block_k(gate_up.block_k, hidden, x.dtype),
         num_warps=gate_up.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     out = torch.empty_like(x)
     _moe_gemv_down_kernel[(triton.cdiv(hidden, down.block_n), tokens)](
         h, w2, ids, weights, out, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=_block_k(down.block_k, inter),
+        out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=_block_k(down.block_k, inter, x.dtype),
         num_warps=down.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return out
 
 
-def _grouped_moe(
+def grouped_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -215,6 +227,8 @@ def _grouped_moe(
     ids: torch.Tensor,
     tile: MoETile,
 ) -> torch.Tensor:
+    """fused_moe's path for more tokens: grouped GEMMs over the pairs in blocks of one expert."""
+    _check(x, w13, w2, weights, ids)
     (tokens, top_k), (num_experts, hidden, inter) = ids.shape, w2.shape
     pairs = tokens * top_k
     blocks = align_by_expert(ids, num_experts, tile.block_m)
@@ -227,33 +241,24 @@ def _grouped_moe(
     _moe_gate_up_kernel[(triton.cdiv(inter, tile.block_n // 2), grid_m)](
         x, w13, h, *blocks, pairs, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
         h.stride(0), TOP_K=top_k, BLOCK_N=tile.block_n // 2,
-        BLOCK_K=_block_k(tile.block_k, hidden), **launch,
+        BLOCK_K=_block_k(tile.block_k, hidden, x.dtype), **launch,
     )  # fmt: skip
     out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     _moe_down_kernel[(triton.cdiv(hidden, tile.block_n), grid_m)](
         h, w2, weights, out, *blocks, pairs, hidden, inter, h.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), BLOCK_N=tile.block_n, BLOCK_K=_block_k(tile.block_k, inter),
+        w2.stride(1), out.stride(0), BLOCK_N=tile.block_n, BLOCK_K=_block_k(tile.block_k, inter, x.dtype),
         **launch,
     )  # fmt: skip
     return out.view(tokens, top_k, hidden).sum(1)
 
 
 def fused_moe(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    tile: MoETile | None = None,
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """x: [tokens, hidden]; w13: [experts, 2 * inter, hidden], each expert's gate rows then its
-    up rows; w2: [experts, hidden, inter]; weights, ids: [tokens, k]. Returns [tokens, hidden]:
-    sum over j of weights[t, j] * w2[e] @ (silu(gate_e @ x[t]) * (up_e @ x[t])), e = ids[t, j].
-    tile: None for the path and tile the token count picks; given, the grouped GEMM with it."""
-    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
-    assert w13.shape[1] == 2 * w2.shape[2] and ids.shape == weights.shape
-    ids, weights = ids.contiguous(), weights.contiguous()
-    if tile is None and ids.shape[0] <= _GEMV_MAX_TOKENS:
-        return _gemv_moe(x, w13, w2, weights, ids)
-    tile = tile or grouped_tile(ids.numel(), w13.shape[0])
-    return _grouped_moe(x, w13, w2, weights, ids, tile)
+    up rows; w2: [experts, hidden, inter]; weights, ids: [tokens, k] (contiguous). Returns
+    [tokens, hidden]: sum over j of weights[t, j] * w2[e] @ (silu(gate_e @ x[t]) * (up_e @
+    x[t])), e = ids[t, j]; by the GEMVs or the grouped GEMM, as the token count says."""
+    if ids.shape[0] <= _GEMV_MAX_TOKENS:
+        return gemv_moe(x, w13, w2, weights, ids)
+    return grouped_moe(x, w13, w2, weights, ids, grouped_tile(ids.numel(), w13.shape[0]))
