@@ -20,9 +20,9 @@ import torch
 
 
 class ExpertBlocks(NamedTuple):
-    """slots: [max_blocks * block_m] int32, each row's pair or `pairs` for padding; expert:
+    """slots: [max_blocks * block_m] int64, each row's pair or `pairs` for padding; expert:
     [max_blocks] int32, each block's expert (num_experts past the valid ones); num_blocks: [1]
-    int32, how many blocks are valid."""
+    int64, how many blocks are valid. int64 where the sort's indices are: no casts."""
 
     slots: torch.Tensor
     expert: torch.Tensor
@@ -43,14 +43,14 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     edges = torch.searchsorted(
         experts, torch.arange(num_experts + 1, device=device, dtype=experts.dtype)
     )
-    blocks = (edges.diff() + block_m - 1) // block_m
+    blocks = (edges.diff() + (block_m - 1)) // block_m
     block_ends = blocks.cumsum(0)
     # sorted row i of expert e goes to e's first padded row plus i's rank within e
     shift = (block_ends - blocks) * block_m - edges[:-1]
     rows = torch.arange(pairs, device=device) + shift[experts]
     n = max_blocks(pairs, num_experts, block_m)
-    slots = torch.full((n * block_m,), pairs, dtype=torch.int32, device=device)
-    slots.scatter_(0, rows, order.to(torch.int32))
+    slots = torch.full((n * block_m,), pairs, dtype=order.dtype, device=device)
+    slots.scatter_(0, rows, order)
     block_ids = torch.arange(n, device=device, dtype=block_ends.dtype)
     expert = torch.searchsorted(block_ends, block_ids, right=True, out_int32=True)
-    return ExpertBlocks(slots, expert, block_ends[-1:].to(torch.int32))
+    return ExpertBlocks(slots, expert, block_ends[-1:])
