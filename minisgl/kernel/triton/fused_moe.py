@@ -25,8 +25,9 @@ from .gemv import GemvConfig, _silu_and_mul
 from .moe_align import align_by_expert
 from .pdl import pdl_args, wait_for_previous
 
-# up to this many tokens the GEMVs run: the grouping's ~20 small torch ops would cost more than
-# the few weights two tokens share
+# up to this many tokens the GEMVs run: there the grouping's ~18 small torch ops (a launch each,
+# ~2 us in a graph) cost more than reading twice the few experts that two pairs share
+# (bench_moe.py times both paths)
 _GEMV_MAX_TOKENS = 4
 
 
@@ -38,12 +39,14 @@ class MoETile(NamedTuple):
     num_stages: int
 
 
-# decode: a program per pair (gate/up) or token (down) and a few rows of W (gate/up: half gate,
-# half up), as gemv.py's tiles
-_GEMV_GATE_UP = GemvConfig(16, 512, 4)
-_GEMV_DOWN = GemvConfig(8, 256, 4)
+# decode: a program per pair (gate/up) or token (down) and a few rows of W, with gemv.py's tiles
+# (bench_gemv.py on an H200): its gated one for the gate/up rows, and its tile for matrices of
+# few output features, whole rows per program, for the down rows of each of a token's experts
+_GEMV_GATE_UP = GemvConfig(8, 512, 4)
+_GEMV_DOWN = GemvConfig(8, 2048, 8)
 # grouped, by the mean pairs per expert: (up to this many, tile); after vLLM's tuned tiles for
-# 128 experts of 768 on an H200, with block_n doubled for the gate/up kernel's two accumulators
+# 128 experts of 768 on an H200 (its token counts 128, 256, 512 and 1,024 at top-8); block_n
+# counts W rows, so the gate/up kernel's two accumulators take half each
 _GROUPED_TILES = (
     # most experts have a block of padding: the smallest block, long K steps (memory-bound)
     (8, MoETile(16, 128, 128, 4, 3)),
@@ -56,6 +59,7 @@ _LARGE_TILE = MoETile(128, 256, 64, 8, 4)
 
 
 def grouped_tile(pairs: int, num_experts: int) -> MoETile:
+    """The tile for `pairs` over `num_experts`, by the mean per expert (a near-even routing)."""
     mean = pairs / num_experts
     return next((tile for most, tile in _GROUPED_TILES if mean <= most), _LARGE_TILE)
 
