@@ -72,7 +72,9 @@ def test_align_puts_every_pair_once_in_blocks_of_its_expert(
 def run_both(
     tokens: int, experts: int, top_k: int, dtype: torch.dtype, tile: MoETile | None,
     used: int | None = None, inter: int = INTER,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The fused MoE's output (the GEMVs, or the grouped GEMM with `tile`), the torch backend's,
+    and the routing's expert ids."""
     torch.manual_seed(tokens * 1000 + experts)
     x = torch.randn(tokens, HIDDEN, device=DEVICE).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, HIDDEN, device=DEVICE) / HIDDEN**0.5).to(dtype)
@@ -81,8 +83,8 @@ def run_both(
     routing = Routing(weights.to(dtype), ids)
     want = TorchMoE().forward(x, w13, w2, routing)
     if tile is None:
-        return gemv_moe(x, w13, w2, routing.weights, ids), want
-    return grouped_moe(x, w13, w2, routing.weights, ids, tile), want
+        return gemv_moe(x, w13, w2, routing.weights, ids), want, ids
+    return grouped_moe(x, w13, w2, routing.weights, ids, tile), want, ids
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -93,12 +95,13 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("tokens", "experts", "top_k"), [(1, 4, 1), (2, 8, 2), (3, 8, 8), (_GEMV_MAX_TOKENS, 16, 2)]
+    ("tokens", "experts", "top_k"), [(1, 4, 1), (3, 8, 2), (2, 8, 8), (_GEMV_MAX_TOKENS, 16, 2)]
 )
 def test_gemv_path_of_a_few_tokens_equals_torch(
     tokens: int, experts: int, top_k: int, dtype: torch.dtype
 ) -> None:
-    got, want = run_both(tokens, experts, top_k, dtype, tile=None)
+    """inter 18: a partial last block of features and of K (a program per pair and 4 features)."""
+    got, want, _ = run_both(tokens, experts, top_k, dtype, tile=None, inter=18)
     assert_close(got, want, dtype)
 
 
@@ -111,13 +114,16 @@ def test_gemv_path_of_a_few_tokens_equals_torch(
 def test_grouped_gemm_equals_torch(
     tokens: int, experts: int, top_k: int, used: int | None, dtype: torch.dtype
 ) -> None:
-    got, want = run_both(tokens, experts, top_k, dtype, SMALLEST, used)
+    got, want, ids = run_both(tokens, experts, top_k, dtype, SMALLEST, used)
     assert_close(got, want, dtype)
+    if used is not None:  # the case's point: experts without a token, and one over two blocks
+        counts = torch.bincount(ids.flatten().cpu(), minlength=experts)
+        assert (counts == 0).any() and counts.max() > SMALLEST.block_m
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tile", GROUPED_TILES, ids=lambda t: f"block_m-{t.block_m}")
 def test_every_grouped_tile_equals_torch(tile: MoETile, dtype: torch.dtype) -> None:
     """inter 16: fewer features than one tile's columns."""
-    got, want = run_both(12, 8, 2, dtype, tile, inter=16)
+    got, want, _ = run_both(12, 8, 2, dtype, tile, inter=16)
     assert_close(got, want, dtype)
