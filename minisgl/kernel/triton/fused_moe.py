@@ -127,7 +127,7 @@ def _block_rows(slots_ptr, expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
     return slots, slots < num_pairs, tl.load(expert_ptr + block).to(tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # one build for every token count
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, h_ptr, slots_ptr, expert_ptr, num_blocks_ptr, num_pairs, N, K, stride_x,
     stride_we, stride_wn, stride_h, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -159,7 +159,7 @@ def _moe_gate_up_kernel(
     tl.store(h_ptr + slots[:, None] * stride_h + n[None, :], out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
     h_ptr, w_ptr, weights_ptr, out_ptr, slots_ptr, expert_ptr, num_blocks_ptr, num_pairs, N, K,
     stride_h, stride_we, stride_wn, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
