@@ -3,8 +3,9 @@ memory-bandwidth floor of a decode workload, and the side-by-side table they pri
 
 The floor is the time a perfect engine would need if decoding were bound only by memory traffic:
 every decode step reads the weights once plus the KV cache of every live request. For a mixture
-of experts a step reads, of the experts, only those its tokens select: their number per layer
-comes from an untimed pass of the same workload that records each decode step's routing.
+of experts a step reads, of the experts, only those its tokens select: their number per layer is
+the mean over the decode steps of an untimed pass of the same workload that records each step's
+routing (`record_experts_per_layer`).
 """
 
 import argparse
