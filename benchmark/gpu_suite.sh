@@ -6,6 +6,7 @@
 #   PART: kernels sweep-attention gemv host latency bench bench-hf profile profile-shapes shapes
 #         prefill latency-profile cprofile
 #         ablations pdl baseline tests tests-engine serving serving-8b
+#         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all)
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
 set -uo pipefail
@@ -60,6 +61,23 @@ serving() {  # serving NAME MODEL [SERVER ARGS...]: bench_serving.py at each of 
   wait
 }
 
+moe() {  # moe PART...: the MoE tests on CUDA, bench_moe.py, and latency.py and bench.py in
+  # Qwen3-30B-A3B's shape (dummy weights), each against the floor of the experts its steps select
+  local preset=benchmark/presets/qwen3-30b-a3b
+  for moe_part in "$@"; do
+    case $moe_part in
+      tests) MINISGL_TEST_DEVICE=cuda step moe_tests 420 python3 -m pytest -q -rf -p no:cacheprovider \
+        --durations=10 -k moe tests/test_fused_moe.py tests/test_moe.py tests/test_models.py tests/test_gpu.py ;;
+      kernel) step moe_kernel 240 python3 benchmark/kernel/bench_moe.py --json "$OUT/moe_kernel.json" ;;
+      latency) step moe_latency 300 python3 benchmark/offline/latency.py --model $preset \
+        --json "$OUT/moe_latency.json" ;;
+      bench) step moe_bench 540 python3 benchmark/offline/bench.py --skip-hf --model $preset \
+        --json "$OUT/moe_bench.json" ;;
+      *) echo "unknown part moe-$moe_part" ;;
+    esac
+  done
+}
+
 for part in "$@"; do
   case $part in
     kernels) step kernels 240 python3 benchmark/kernel/bench_attention.py ;;
@@ -109,6 +127,8 @@ for part in "$@"; do
         --ignore=tests/test_bench_serving.py ;;
     serving) serving serving tests/assets/qwen3-tokenizer ;;
     serving-8b) serving serving_8b benchmark/presets/llama-3.1-8b ;;
+    moe) moe tests kernel latency bench ;;
+    moe-*) moe "${part#moe-}" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -38,7 +38,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's; the KV pool must hold one such request
     gpu_memory_utilization: float = 0.85  # of the GPU memory free at start-up, for weights + KV
     attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
-    moe_backend: str = "auto"  # mixture-of-experts models' experts; auto: torch
+    moe_backend: str = "auto"  # a MoE model's experts; auto: triton on cuda, torch on cpu
     cuda_graph_max_bs: int | None = None  # None: max_running_requests on cuda; 0: off
     dummy_weights: bool = False
     tp_rank: int = 0

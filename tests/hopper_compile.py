@@ -104,6 +104,19 @@ def call_every_wrapper() -> None:
     for writes in ((ints(3), ints(3)), (ints(0), ints(0))):
         ops.read_tables(page_table, ints(64), writes, writes, ints(3), ints(3))
 
+    from minisgl.kernel.triton.fused_moe import _GROUPED_TILES, _LARGE_TILE, grouped_moe
+
+    experts, inter, top_k = 128, 768, 8  # Qwen3-30B-A3B's experts
+    w13 = x(1, 1, hidden).expand(experts, 2 * inter, hidden)
+    w2 = x(1, 1, inter).expand(experts, hidden, inter)
+    ids = torch.zeros(64, top_k, dtype=torch.int64)
+    ops.fused_moe(x(1, hidden), w13, w2, x(1, top_k), ids[:1])  # the GEMVs
+    for tile in [tile for _, tile in _GROUPED_TILES] + [_LARGE_TILE]:
+        grouped_moe(x(64, hidden), w13, w2, x(64, top_k), ids, tile)
+    # fp32 (the GPU tests' dtype) runs the FMA dot: its stages must fit shared memory too
+    w13, w2 = (torch.zeros(1, 1, w.shape[2]).expand(w.shape) for w in (w13, w2))
+    grouped_moe(torch.zeros(64, hidden), w13, w2, torch.zeros(64, top_k), ids, _LARGE_TILE)
+
 
 if __name__ == "__main__":
     assert "TRITON_INTERPRET" not in os.environ, "the interpreter compiles nothing"

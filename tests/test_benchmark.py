@@ -115,6 +115,26 @@ def test_prefill_counts_every_prompt_token(checkpoint) -> None:
     assert ours["MFU_%"] > 0 and peak["MFU_%"] == 100
 
 
+def test_moe_floor_reads_the_experts_one_request_selects(checkpoint) -> None:
+    """One request's token selects top_k experts of each sparse layer in every decode step."""
+    path = checkpoint("qwen3_moe", num_experts=8, num_hidden_layers=3, mlp_only_layers=[1])
+    args = ["--model", str(path), *SMOKE, "--prompt-len", "16", "--output-len", "8"]
+    result = latency.main(args)
+    assert result["experts_per_layer"] == 2  # conftest's Qwen3-MoE: top-2
+    # each of the two sparse layers reads 2 of its 8 experts (gate_up and down, 64 x 32 each)
+    per_expert = 3 * 64 * 32 * 4
+    assert result["weight_bytes"] - result["step_weight_bytes"] == 2 * 6 * per_expert
+
+
+def test_moe_floor_of_a_batch_counts_each_selected_expert_once(checkpoint) -> None:
+    path = checkpoint("qwen3_moe", num_experts=8, num_hidden_layers=3, mlp_only_layers=[1])
+    args = ["--model", str(path), *SMOKE, "--num-requests", "4", "--min-len", "4"]
+    result = bench.main([*args, "--max-len", "8", "--skip-hf"])
+    # four requests decoding together choose more than two of the eight experts per layer
+    assert 2 < result["experts_per_layer"] <= 8
+    assert result["step_weight_bytes"] < result["weight_bytes"]
+
+
 @pytest.mark.parametrize("temperature", ["0", "0.6"])
 def test_decode_step_benchmark_builds_each_batch_size(temperature: str) -> None:
     rows = bench_decode_step.main(["--steps", "20", "--temperature", temperature])

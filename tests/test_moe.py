@@ -16,6 +16,7 @@ from minisgl.distributed import TPInfo, set_tp_info
 from minisgl.layers import set_rope_device
 from minisgl.models import CausalLM, ModelConfig
 from minisgl.models.weights import load_weights
+from minisgl.moe import MOE_BACKENDS
 from minisgl.moe.torch_backend import TorchMoE
 from minisgl.utils.hf import cached_load_hf_config
 
@@ -177,8 +178,36 @@ def test_a_missing_or_extra_expert_tensor_is_named(moe_path, tmp_path, edit, mes
         LLM(str(dst), device=DEVICE, dtype="float32", max_kv_tokens=256, max_model_len=256)
 
 
+def test_triton_backend_generates_hf_tokens_in_static_graph_batches(
+    moe_path, prompts, hf_reference
+) -> None:
+    """Six requests: prefills through the grouped GEMM, decode steps (the grouped GEMM too)
+    padded to the graph runner's static batch of 8 (its CPU twin here, a CUDA graph on a GPU).
+    Six tokens each: the interpreter runs each program as Python."""
+    hf, want = hf_reference
+    llm = LLM(
+        str(moe_path), device=DEVICE, dtype="float32", moe_backend="triton", max_kv_tokens=4096,
+        cuda_graph_max_bs=8,
+    )  # fmt: skip
+    assert llm.engine.graph_runner is not None and llm.engine.graph_runner.sizes[-1] == 8
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate(prompts[:6], params, use_tqdm=False)
+    for prompt, reference, out in zip(prompts, want, outputs, strict=False):
+        assert_same_or_near_tie(hf, prompt, out["token_ids"], reference[:6])
+
+
+def test_auto_moe_backend_is_triton_on_cuda_and_torch_on_cpu(monkeypatch) -> None:
+    assert MOE_BACKENDS.resolve("auto", "cuda") == "triton"
+    assert MOE_BACKENDS.resolve("auto", "cpu") == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set only for CPU runs
+    with pytest.raises(ConfigError, match="the triton MoE backend does not run on cpu"):
+        MOE_BACKENDS.resolve("triton", "cpu")
+
+
 def test_an_unknown_moe_backend_is_refused_in_one_line(moe_path) -> None:
-    with pytest.raises(ConfigError, match=r"^unknown MoE backend 'fused'; supported: auto, torch$"):
+    with pytest.raises(
+        ConfigError, match=r"^unknown MoE backend 'fused'; supported: auto, torch, triton$"
+    ):
         LLM(str(moe_path), device=DEVICE, moe_backend="fused", max_kv_tokens=256)
 
 
@@ -206,4 +235,5 @@ def test_the_preset_serves_dummy_weights_at_a_reduced_size(tmp_path: Path) -> No
     )
     out = llm.generate(["Mixture of experts"], GREEDY, use_tqdm=False)[0]
     assert len(out["token_ids"]) == 12
-    assert any("MoE torch" in line for line in llm.engine.summary())
+    backend = "triton" if DEVICE == "cuda" else "torch"  # auto's choice
+    assert any(f"MoE {backend}" in line for line in llm.engine.summary())

@@ -6,12 +6,13 @@ ignore_eos, temperature 0.6 (nano-vllm's bench), on the Qwen3-0.6B shape with ra
 
     python benchmark/offline/bench.py                          # the standard run (H200)
     python benchmark/offline/bench.py --skip-hf --profile      # where the GPU time goes
+    python benchmark/offline/bench.py --skip-hf --model benchmark/presets/qwen3-30b-a3b
+                                    # MoE: the floor counts the experts each step selects
     python benchmark/offline/bench.py --model TINY --device cpu --dtype float32 \
         --num-requests 4 --min-len 8 --max-len 16 --skip-hf    # CPU smoke run
 """
 
 import argparse
-import gc
 import multiprocessing
 import statistics
 import traceback
@@ -27,12 +28,16 @@ from common import (
     add_engine_args,
     bound_row,
     build_llm,
+    describe_weights,
     floor_row,
+    free_device_memory,
     make_workload,
     measure_bandwidth,
     model_bytes,
     print_table,
+    record_experts_per_layer,
     result_row,
+    step_weight_bytes,
     timed,
     triton_compiles,
     write_json,
@@ -119,12 +124,6 @@ def run_hf(args: argparse.Namespace, workload: Workload, device: torch.device) -
     )
 
 
-def free_device_memory(device: torch.device) -> None:
-    gc.collect()  # the engine's reference cycles
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def run_hf_apart(args: argparse.Namespace, workload: Workload, device: torch.device) -> Row:
     """run_hf in a process of its own, which has exited when this returns: nothing of HF's
     (memory, graph pools, threads) stays behind in ours."""
@@ -133,12 +132,16 @@ def run_hf_apart(args: argparse.Namespace, workload: Workload, device: torch.dev
         return pool.submit(run_hf, args, workload, device).result()
 
 
+def chunk_setting(args: argparse.Namespace) -> dict[str, int]:
+    """--chunk-size if given, else the offline API's default."""
+    return {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+
+
 def run_minisgl(
     args: argparse.Namespace, workload: Workload, device: torch.device
 ) -> tuple[LLM, Row, profile | None]:
     """(engine, result row of the median timed run, the profiler of the last run if --profile)."""
-    given = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
-    llm = build_llm(args, **given)  # else the offline API's default
+    llm = build_llm(args, **chunk_setting(args))
     # a slice of the workload itself, so every kernel variant and allocation is made before timing
     warm_up = SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True)
     llm.generate(workload.prompts[:32], warm_up, use_tqdm=False)
@@ -252,10 +255,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab_size)
     bandwidth = measure_bandwidth(device)
     peak = measure_matmul_peak(device, resolve_dtype(args.dtype, device))
+    params = sampling_params(workload, args.temperature)
+    experts_per_layer = record_experts_per_layer(
+        args, lambda llm: llm.generate(workload.prompts, params, use_tqdm=False),
+        **chunk_setting(args),
+    )  # fmt: skip
 
     llm, ours, prof = run_minisgl(args, workload, device)
     steps, preemptions = ours["steps"], llm.scheduler.stats.num_preemptions
     weight_bytes, kv_per_token = model_bytes(llm)
+    step_bytes = step_weight_bytes(llm, experts_per_layer)
+    weights = describe_weights(llm, step_bytes, experts_per_layer)
     pool_tokens = llm.engine.layout.num_pages * llm.engine.layout.page_size
     cost = ModelCost.of(llm.engine.model_config)
     hf_row: Row | None = None
@@ -274,13 +284,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             traceback.print_exc()
             hf_error = repr(e)
     floor = floor_row(
-        f"floor @ {bandwidth / 1e9:,.0f} GB/s", workload, weight_bytes, kv_per_token, bandwidth
+        f"floor @ {bandwidth / 1e9:,.0f} GB/s", workload, step_bytes, kv_per_token, bandwidth
     )
     overlapped_s, serial_s = roofline_seconds(
         workload.prompt_lens,
         workload.output_lens,
         cost,
-        weight_bytes,
+        step_bytes,
         kv_per_token,
         bandwidth,
         peak,
@@ -294,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     print(
         f"\n{len(workload.prompts)} requests, {workload.prompt_tokens:,} prompt + "
-        f"{workload.output_tokens:,} output tokens; weights {weight_bytes / 1e6:,.1f} MB, "
+        f"{workload.output_tokens:,} output tokens; {weights}, "
         f"KV {kv_per_token / 1024:,.1f} KiB/token; device copy {bandwidth / 1e9:,.0f} GB/s; "
         f"KV pool {pool_tokens:,} tokens, {preemptions} preemptions"
     )
@@ -312,6 +322,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bandwidth_bytes_per_s": bandwidth,
         "matmul_peak_flop_s": peak,
         "weight_bytes": weight_bytes,
+        "step_weight_bytes": step_bytes,
+        "experts_per_layer": experts_per_layer,
         "kv_bytes_per_token": kv_per_token,
         "prompt_tokens": workload.prompt_tokens,
         "workload_output_tokens": workload.output_tokens,

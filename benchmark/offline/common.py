@@ -2,10 +2,14 @@
 memory-bandwidth floor of a decode workload, and the side-by-side table they print.
 
 The floor is the time a perfect engine would need if decoding were bound only by memory traffic:
-every decode step reads all weights once plus the KV cache of every live request.
+every decode step reads the weights once plus the KV cache of every live request. For a mixture
+of experts a step reads, of the experts, only those its tokens select: their number per layer is
+the mean over the decode steps of an untimed pass of the same workload that records each step's
+routing (`record_experts_per_layer`).
 """
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -21,6 +25,9 @@ import torch
 
 from minisgl.kvcache.pool import KVPool
 from minisgl.llm import LLM
+from minisgl.models import ModelConfig
+from minisgl.moe.recorder import recording
+from minisgl.utils.hf import cached_load_hf_config
 
 QWEN3_SHAPE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "qwen3-tokenizer"
 # nano-vllm's bench draws prompt ids below 10000; ids are folded into smaller vocabularies
@@ -132,11 +139,40 @@ def model_bytes(llm: LLM) -> tuple[int, int]:
     return weight_bytes, kv_per_token
 
 
+def step_weight_bytes(llm: LLM, experts_per_layer: float | None) -> int:
+    """Bytes of weights a decode step reads: all of them (a tied weight once); for a mixture of
+    experts all but the experts, plus `experts_per_layer` experts of each sparse layer."""
+    weight_bytes, _ = model_bytes(llm)
+    moe = llm.engine.model_config.moe
+    if moe is None or experts_per_layer is None:
+        return weight_bytes
+    experts = sum(
+        t.numel() * t.element_size()
+        for name, t in llm.engine.model.state_dict().items()
+        if ".mlp.experts." in name
+    )
+    per_expert = experts / (len(moe.layers) * moe.num_experts)
+    return round(weight_bytes - experts + experts_per_layer * len(moe.layers) * per_expert)
+
+
+def describe_weights(llm: LLM, step_bytes: int, experts_per_layer: float | None) -> str:
+    """The weights' size, and for a mixture of experts what a decode step reads of them."""
+    weight_bytes, _ = model_bytes(llm)
+    moe = llm.engine.model_config.moe
+    if moe is None or experts_per_layer is None:
+        return f"weights {weight_bytes / 1e6:,.1f} MB"
+    return (
+        f"weights {weight_bytes / 1e6:,.1f} MB, {step_bytes / 1e6:,.1f} MB of them read per "
+        f"decode step ({experts_per_layer:.1f} of {moe.num_experts} experts per sparse layer)"
+    )
+
+
 def floor_bytes(
     prompt_lens: Sequence[int], output_lens: Sequence[int], weight_bytes: int, kv_per_token: int
 ) -> int:
-    """Bytes a decode-bound run must read when all requests start together: each step reads the
-    weights once, and request i at its step t (1..o_i) reads p_i + t tokens of KV."""
+    """Bytes a decode-bound run must read when all requests start together: each step reads
+    weight_bytes (`step_weight_bytes`), and request i at its step t (1..o_i) reads p_i + t tokens
+    of KV."""
     steps = max(output_lens)
     # sum over t = 1..o of (p + t) = o * p + o * (o + 1) / 2
     kv_tokens = sum(o * p + o * (o + 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
@@ -228,16 +264,41 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_llm(args: argparse.Namespace, **kwargs: Any) -> LLM:
-    """The engine under test, with dummy weights: the values do not change the speed."""
-    return LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        attention_backend=args.attention_backend,
-        moe_backend=args.moe_backend,
-        cuda_graph_max_bs=0 if args.no_cuda_graph else None,
-        overlap=not args.no_overlap,
-        dummy_weights=True,
-        **kwargs,
-    )
+    """The engine under test, with dummy weights: the values do not change the speed. kwargs:
+    more settings, or other values for these."""
+    settings = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "page_size": args.page_size,
+        "attention_backend": args.attention_backend,
+        "moe_backend": args.moe_backend,
+        "cuda_graph_max_bs": 0 if args.no_cuda_graph else None,
+        "overlap": not args.no_overlap,
+        "dummy_weights": True,
+    }
+    return LLM(args.model, **{**settings, **kwargs})
+
+
+def free_device_memory(device: torch.device) -> None:
+    gc.collect()  # the engine's reference cycles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def record_experts_per_layer(
+    args: argparse.Namespace, run: Callable[[LLM], Any], **kwargs: Any
+) -> float | None:
+    """Distinct experts per sparse layer and decode step in run(llm), on an engine of its own
+    (build_llm's, with kwargs) without CUDA graphs, since a replayed graph runs no Python to
+    record with; the engine is gone when this returns, before the timed one is built. None for a
+    dense model."""
+    if ModelConfig.from_hf(cached_load_hf_config(args.model)).moe is None:
+        return None
+    llm = build_llm(args, **{**kwargs, "cuda_graph_max_bs": 0})
+    with recording() as recorder:
+        run(llm)
+    experts_per_layer = recorder.mean_selected()
+    device = llm.engine.device
+    del llm
+    free_device_memory(device)
+    return experts_per_layer

@@ -1,7 +1,9 @@
 """Single-request latency: time to first token and decode speed of one greedy request, side by side
-with the memory-bandwidth floor of one request (every step reads all weights and its own KV).
+with the memory-bandwidth floor of one request (every step reads the weights, of a mixture of
+experts those its token selects, and its own KV).
 
     python benchmark/offline/latency.py                        # the standard run (H200)
+    python benchmark/offline/latency.py --model benchmark/presets/qwen3-30b-a3b   # MoE (H200)
     python benchmark/offline/latency.py --model TINY --device cpu --dtype float32 \
         --prompt-len 16 --output-len 8                         # CPU smoke run
 """
@@ -13,11 +15,14 @@ from typing import Any
 from common import (
     add_engine_args,
     build_llm,
+    describe_weights,
     floor_bytes,
     make_workload,
     measure_bandwidth,
     model_bytes,
     print_table,
+    record_experts_per_layer,
+    step_weight_bytes,
     timed,
     triton_compiles,
     write_json,
@@ -72,6 +77,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # a fresh prompt for each run, so that no run finds an earlier one in the prefix cache
     prompts = make_workload(1 + args.repeats, args.prompt_len, args.prompt_len, vocab_size).prompts
     bandwidth = measure_bandwidth(device)
+    experts_per_layer = record_experts_per_layer(
+        args, lambda llm: generate_timed(llm, prompts[0], args.output_len), max_running_requests=1
+    )
     llm = build_llm(args, max_running_requests=1)
 
     generate_timed(llm, prompts[0], 16)  # warm-up
@@ -103,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
         )
     weight_bytes, kv_per_token = model_bytes(llm)
-    floor_s = floor_bytes([args.prompt_len], [args.output_len], weight_bytes, kv_per_token)
+    step_bytes = step_weight_bytes(llm, experts_per_layer)
+    floor_s = floor_bytes([args.prompt_len], [args.output_len], step_bytes, kv_per_token)
     floor_s /= bandwidth
     floor = {
         "system": f"floor @ {bandwidth / 1e9:,.0f} GB/s",
@@ -118,7 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     print(
         f"\none request: {args.prompt_len} prompt + {args.output_len} output tokens, greedy; "
-        f"weights {weight_bytes / 1e6:,.1f} MB, KV {kv_per_token / 1024:,.1f} KiB/token"
+        f"{describe_weights(llm, step_bytes, experts_per_layer)}, "
+        f"KV {kv_per_token / 1024:,.1f} KiB/token"
     )
     print_table(rows)
     print(f"goal: {GOAL_TOK_S:,} decode tok/s")
@@ -127,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "args": vars(args),
         "bandwidth_bytes_per_s": bandwidth,
         "weight_bytes": weight_bytes,
+        "step_weight_bytes": step_bytes,
+        "experts_per_layer": experts_per_layer,
         "kv_bytes_per_token": kv_per_token,
         "rows": rows,
         "goal_decode_tok_s": GOAL_TOK_S,

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
-from minisgl.utils.registry import Registry
+from minisgl.utils.registry import Registry, triton_runs_on
 
 if TYPE_CHECKING:
     from .base import AttentionBackend
-
-
-def _triton_runs_on(device_type: str) -> bool:
-    """Triton compiles for CUDA; on the CPU only its interpreter runs it (TRITON_INTERPRET=1)."""
-    return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry(
@@ -21,7 +15,7 @@ ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry(
 )
 ATTENTION_BACKENDS.register("torch", "minisgl.attention.torch_backend:TorchBackend")
 ATTENTION_BACKENDS.register(
-    "triton", "minisgl.attention.triton_backend:TritonBackend", runs_on=_triton_runs_on
+    "triton", "minisgl.attention.triton_backend:TritonBackend", runs_on=triton_runs_on
 )
 
 __all__ = ["ATTENTION_BACKENDS"]

@@ -7,6 +7,7 @@ import torch
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernel import fused_add_rmsnorm, linear
 from minisgl.moe.base import MoEBackend, Routing
+from minisgl.moe.recorder import record_routing
 from minisgl.utils import div_even
 
 from .base import BaseOP
@@ -67,6 +68,7 @@ class SparseMLP(BaseOP):
         """The experts' output for norm(x + residual) and the new residual, x + residual."""
         x = fused_add_rmsnorm(x, residual, input_norm.weight, input_norm.eps)
         routing = route(self.gate.forward(x), self._top_k, self._renormalize)
+        record_routing(routing.ids, self.gate.weight.shape[0])
         experts = self.experts
         out = self._backend.forward(x, experts.gate_up_proj, experts.down_proj, routing)
         return (out if self._tp_size == 1 else all_reduce(out)), residual

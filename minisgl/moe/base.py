@@ -15,8 +15,7 @@ class MoEBackend(ABC):
     """Runs each token through the experts its router chose and sums their outputs, weighted.
 
     The router (a softmax top-k, `minisgl.layers.moe`) is the layer's; a backend sees only its
-    choice. A new backend (a fused Triton kernel, ...) is one file: subclass, implement
-    `forward`, register a name.
+    choice. A new backend is one file: subclass, implement `forward`, register a name.
     """
 
     # whether a decode step can be captured in a CUDA graph: no host reads of batch tensors and

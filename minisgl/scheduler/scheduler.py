@@ -117,12 +117,13 @@ class Scheduler:
 
     def warm_up(self) -> None:
         """Compute, before serving, a prefill of each kind the kernels tell apart: Triton
-        specializes a kernel on whether its integer arguments are 1 or multiples of 16, and the
-        row count picks split-K or not (at 224 and 512 rows). Kernels compiled inside the
-        server's loop took 1.2 s of the online benchmark's run (py-spy, H200). They run in the
-        padding request's slot, which holds no request, and leave nothing behind."""
+        specializes a kernel on whether its integer arguments are 1 or multiples of 16, the row
+        count picks split-K or not (at 224 and 512 rows) and the fused MoE's tile (at 128, 256
+        and 512 rows for 128 experts of top-8). Kernels compiled inside the server's loop took
+        1.2 s of the online benchmark's run (py-spy, H200). They run in the padding request's
+        slot, which holds no request, and leave nothing behind."""
         pad = self.layout.sink_slot
-        rows = (16, 17, 240, 241, 528, 529)
+        rows = (16, 17, 240, 241, 300, 528, 529)
         for prefix_lens, extend_lens in [([0], [n]) for n in rows] + [
             ([0, 0], [9, 30]),
             ([8], [17]),

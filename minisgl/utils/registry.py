@@ -1,10 +1,16 @@
 import importlib
+import os
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from minisgl.config import ConfigError
 
 T = TypeVar("T")
+
+
+def triton_runs_on(device_type: str) -> bool:
+    """Triton compiles for CUDA; on the CPU only its interpreter runs it (TRITON_INTERPRET=1)."""
+    return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class Registry(Generic[T]):

@@ -1,10 +1,11 @@
 """Triton kernels. The elementwise ops share names and semantics with `minisgl.kernel.torch_ops`
-(so `minisgl.kernel` can dispatch between the two modules); the attention kernels serve the
-`triton` attention backend."""
+(so `minisgl.kernel` can dispatch between the two modules); the attention and MoE kernels serve the
+`triton` attention and MoE backends."""
 
 from .activation import silu_and_mul
 from .decode_attention import decode_attention, decode_launch, decode_num_splits, num_sms
 from .extend_attention import extend_attention, extend_blocks
+from .fused_moe import fused_moe
 from .gemv import Prologue, linear, use_gemv
 from .norm import fused_add_rmsnorm, rmsnorm
 from .rope import apply_rope_inplace
@@ -20,6 +21,7 @@ __all__ = [
     "extend_attention",
     "extend_blocks",
     "fused_add_rmsnorm",
+    "fused_moe",
     "linear",
     "num_sms",
     "read_tables",
