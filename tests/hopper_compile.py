@@ -110,6 +110,7 @@ def call_every_wrapper() -> None:
     w13 = x(1, 1, hidden).expand(experts, 2 * inter, hidden)
     w2 = x(1, 1, inter).expand(experts, hidden, inter)
     ids = torch.zeros(64, top_k, dtype=torch.int64)
+    ops.moe_route(x(64, experts), top_k, True)
     ops.fused_moe(x(1, hidden), w13, w2, x(1, top_k), ids[:1])  # the GEMVs
     for tile in [tile for _, tile in _GROUPED_TILES] + [_LARGE_TILE]:
         grouped_moe(x(64, hidden), w13, w2, x(64, top_k), ids, tile)

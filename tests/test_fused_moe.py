@@ -6,6 +6,7 @@ at small sizes, in fp32 and fp16; on CUDA in bf16 too."""
 import pytest
 import torch
 
+from minisgl.kernel import torch_ops
 from minisgl.kernel.triton.fused_moe import (
     _GEMV_MAX_TOKENS,
     _GROUPED_TILES,
@@ -15,7 +16,7 @@ from minisgl.kernel.triton.fused_moe import (
     grouped_moe,
 )
 from minisgl.kernel.triton.moe_align import align_by_expert, max_blocks
-from minisgl.layers.moe import route
+from minisgl.kernel.triton.moe_route import moe_route
 from minisgl.moe.base import Routing
 from minisgl.moe.torch_backend import TorchMoE
 
@@ -34,7 +35,24 @@ def make_routing(tokens: int, experts: int, top_k: int, used: int | None = None)
     logits = torch.randn(tokens, experts, device=DEVICE)
     if used is not None:
         logits[:, used:] = float("-inf")
-    return route(logits, top_k, renormalize=True)
+    return Routing(*torch_ops.moe_route(logits, top_k, renormalize=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"), [(1, 4, 1), (5, 8, 2), (3, 60, 8), (2, 128, 8)]
+)
+def test_fused_router_chooses_the_experts_torch_chooses(
+    tokens: int, experts: int, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(experts)
+    logits = (3 * torch.randn(tokens, experts, device=DEVICE)).to(dtype)
+    want_weights, want_ids = torch_ops.moe_route(logits, top_k, renormalize)
+    weights, ids = moe_route(logits, top_k, renormalize)
+    assert torch.equal(ids, want_ids)
+    assert weights.dtype == dtype
+    torch.testing.assert_close(weights, want_weights, rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
 @pytest.mark.parametrize(

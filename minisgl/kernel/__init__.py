@@ -144,6 +144,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _ops_for(x).silu_and_mul(x)
 
 
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids) [tokens, top_k] of each token's top-k experts by the softmax over
+    them, the weights rescaled to sum to 1 when `renormalize`; computed in fp32."""
+    return _ops_for(router_logits).moe_route(router_logits, top_k, renormalize)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     token_table: torch.Tensor,

@@ -92,6 +92,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids) of each token's top-k experts by the softmax over them, the weights
+    rescaled to sum to 1 when `renormalize`; in fp32, as Hugging Face computes them, and returned
+    in the logits' dtype."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
 def indexing(
     weight: torch.Tensor, ids: torch.Tensor, vocab_range: tuple[int, int] | None = None
 ) -> torch.Tensor:

@@ -5,23 +5,13 @@ intermediate dimension, as of a dense MLP's, and the partial outputs are summed 
 import torch
 
 from minisgl.distributed import all_reduce, get_tp_info
-from minisgl.kernel import fused_add_rmsnorm, linear
+from minisgl.kernel import fused_add_rmsnorm, linear, moe_route
 from minisgl.moe.base import MoEBackend, Routing
 from minisgl.moe.recorder import record_routing
 from minisgl.utils import div_even
 
 from .base import BaseOP
 from .norm import RMSNorm
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
-    """Each token's top-k experts by the softmax over them, their weights rescaled to sum to 1
-    when `renormalize`; in fp32, as Hugging Face computes them."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return Routing(weights.to(router_logits.dtype), ids)
 
 
 class Router(BaseOP):
@@ -67,7 +57,7 @@ class SparseMLP(BaseOP):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' output for norm(x + residual) and the new residual, x + residual."""
         x = fused_add_rmsnorm(x, residual, input_norm.weight, input_norm.eps)
-        routing = route(self.gate.forward(x), self._top_k, self._renormalize)
+        routing = Routing(*moe_route(self.gate.forward(x), self._top_k, self._renormalize))
         record_routing(routing.ids, self.gate.weight.shape[0])
         experts = self.experts
         out = self._backend.forward(x, experts.gate_up_proj, experts.down_proj, routing)

@@ -7,6 +7,7 @@ from .decode_attention import decode_attention, decode_launch, decode_num_splits
 from .extend_attention import extend_attention, extend_blocks
 from .fused_moe import fused_moe
 from .gemv import Prologue, linear, use_gemv
+from .moe_route import moe_route
 from .norm import fused_add_rmsnorm, rmsnorm
 from .rope import apply_rope_inplace
 from .sampling import sample_tokens
@@ -23,6 +24,7 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_moe",
     "linear",
+    "moe_route",
     "num_sms",
     "read_tables",
     "rmsnorm",
