@@ -50,7 +50,10 @@ def test_fused_router_chooses_the_experts_torch_chooses(
     logits = (3 * torch.randn(tokens, experts, device=DEVICE)).to(dtype)
     want_weights, want_ids = torch_ops.moe_route(logits, top_k, renormalize)
     weights, ids = moe_route(logits, top_k, renormalize)
-    assert torch.equal(ids, want_ids)
+    # the same k largest logits in the same order; experts of equal logits (bf16 has few values)
+    # may come in either order, as torch's CUDA top-k leaves them
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+    assert all(len(set(row)) == top_k for row in ids.tolist())
     assert weights.dtype == dtype
     torch.testing.assert_close(weights, want_weights, rtol=TOL[dtype][0], atol=TOL[dtype][1])
 

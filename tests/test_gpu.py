@@ -12,8 +12,8 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import StructuredOutput
+from minisgl.kernel import moe_route
 from minisgl.kernel.triton.pdl import use_pdl
-from minisgl.layers.moe import route
 from minisgl.moe.base import Routing
 from minisgl.moe.torch_backend import TorchMoE
 from minisgl.moe.triton_backend import TritonMoE
@@ -164,7 +164,7 @@ def test_triton_moe_equals_torch_at_the_qwen3_30b_a3b_layer_shape(
     """The GEMV path (1 token) and the grouped GEMM (7 tokens and up), top-8 of 128."""
     w13, w2 = qwen3_30b_a3b_experts
     x = torch.randn(tokens, w13.shape[2], device="cuda", dtype=torch.bfloat16)
-    weights, ids = route(torch.randn(tokens, w13.shape[0], device="cuda"), 8, renormalize=True)
+    weights, ids = moe_route(torch.randn(tokens, w13.shape[0], device="cuda"), 8, renormalize=True)
     routing = Routing(weights.to(torch.bfloat16), ids)
     want = TorchMoE().forward(x, w13, w2, routing).float()
     got = TritonMoE().forward(x, w13, w2, routing).float()

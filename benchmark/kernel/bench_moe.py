@@ -22,9 +22,9 @@ import torch
 from bench_attention import copy_bandwidth
 from triton.testing import do_bench, do_bench_cudagraph
 
+from minisgl.kernel import moe_route
 from minisgl.kernel.triton.fused_moe import fused_moe, gemv_moe, grouped_moe, grouped_tile
 from minisgl.kernel.triton.moe_align import align_by_expert
-from minisgl.layers.moe import route
 from minisgl.moe.base import Routing
 from minisgl.moe.torch_backend import TorchMoE
 
@@ -65,7 +65,7 @@ def measure(
     x = torch.randn(tokens, HIDDEN, dtype=dtype, device="cuda")
     routings = []
     for _ in range(LAYERS):
-        probs, ids = route(torch.randn(tokens, EXPERTS, device="cuda"), TOP_K, True)
+        probs, ids = moe_route(torch.randn(tokens, EXPERTS, device="cuda"), TOP_K, True)
         routings.append(Routing(probs.to(dtype), ids))
     nbytes = selected_bytes(routings, dtype)
     want = torch_moe(x, *weights[0], *routings[0]).float()
