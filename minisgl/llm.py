@@ -35,7 +35,7 @@ from minisgl.utils.process import local_init_method, start_child
 from minisgl.utils.torch_utils import resolve_device
 
 Prompt = str | list[int]
-_PLACEMENT = ("tp_rank", "dist_init_method")  # the LLM places its ranks itself
+_PLACEMENT = ("tp_rank", "nnodes", "dist_init_method")  # the LLM places its ranks itself
 _STOP_TIMEOUT_S = 30.0
 
 

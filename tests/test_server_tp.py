@@ -1,20 +1,25 @@
 """`--tp 2` through the server: rank 0's scheduler process sends each step's messages to rank
 1's. Each rank holds half of every layer's weights, so right answers need both ranks to run every
 step together; greedy tokens must equal the single-process engine's for each dense architecture
-and for a mixture of experts (each rank holding a slice of every expert). On the CPU (gloo), or on
-two GPUs when the suite runs on CUDA and has them.
+and for a mixture of experts (each rank holding a slice of every expert), and over two nodes (two
+launchers on loopback, a rank each). On the CPU (gloo), or on two GPUs when the suite runs on
+CUDA and has them.
 
 The random models' byte tokens are invalid UTF-8, whose text the streaming detokenizer and a
 whole decode may render differently: their tokens are compared by logprob."""
 
+import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from minisgl import LLM, SamplingParams
 
 from .conftest import TP_DEVICE
-from .server_process import ServerProcess
+from .server_process import ServerProcess, alive, children, free_port, wait_for
 from .test_moe import MOE
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
@@ -92,3 +97,39 @@ def test_tp2_moe_greedy_tokens_equal_tp1(checkpoint, tmp_path_factory) -> None:
         s.stop()
     for choice, reference in zip(batch.choices, want, strict=True):
         assert_same_or_near_tie_by_logprob(choice, reference)
+
+
+def test_two_nodes_of_a_rank_each_give_tp1s_tokens(tmp_path: Path) -> None:
+    """Two launchers on loopback, as on two machines: node 0 serves the API with rank 0, node 1
+    runs rank 1 only, which gets its messages over TCP at --dist-init-addr (no ipc socket crosses
+    machines). When node 0 stops, node 1's launcher ends by itself, leaving nothing behind."""
+    want = LLM(**REFERENCE).generate(PROMPTS, GREEDY, use_tqdm=False)
+    init = f"127.0.0.1:{free_port()}"
+    nodes = (*SETTINGS, "--tp", "2", "--nnodes", "2", "--dist-init-addr", init)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    if TP_DEVICE == "cuda":  # node 1's one GPU, as its first: the second of this machine
+        env["CUDA_VISIBLE_DEVICES"] = "1"
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "minisgl", *nodes, "--node-rank", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+        )  # fmt: skip
+    node0 = None
+    try:
+        node0 = ServerProcess(tmp_path, *nodes, "--node-rank", "0")
+        node1_children = children(node1.pid)
+        batch = node0.client().completions.create(
+            model="stories260K", prompt=PROMPTS, temperature=0, max_tokens=MAX_TOKENS, logprobs=2,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for choice, reference in zip(batch.choices, want, strict=True):
+            assert_same_or_near_tie_by_logprob(choice, reference)
+        node0.stop(signal.SIGTERM)
+        assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()
+        wait_for(lambda: not [pid for pid in node1_children if alive(pid)], 10, "children left")
+    finally:  # what a failure left running
+        if node0 is not None:
+            node0.kill()
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait()

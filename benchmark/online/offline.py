@@ -18,12 +18,14 @@ from minisgl.server.args import ServerArgs
 from minisgl.tokenizer.loader import prompt_ids
 
 # engine settings the offline LLM sets itself: where its ranks run and the model it is given
-_NOT_SETTINGS = ("model_path", "tp_rank", "dist_init_method")
+_NOT_SETTINGS = ("model_path", "tp_rank", "nnodes", "dist_init_method")
 
 
 def engine_overrides(server: ServerArgs) -> dict[str, Any]:
     """The LLM settings that give an offline engine the server's, defaults included: the
     offline API's own defaults differ (its chunk size on a large GPU)."""
+    if server.engine.nnodes != 1:
+        raise ValueError("--offline runs on one machine: launch the server without --nnodes")
     engine = {k: v for k, v in vars(server.engine).items() if k not in _NOT_SETTINGS}
     return {**engine, **vars(server.scheduler)}
 

@@ -273,7 +273,7 @@ def _init_device(config: EngineConfig) -> torch.device:
     """This rank's device, TP group and CPU threads."""
     device = resolve_device(config.device)
     if device.type == "cuda" and config.tp_size > 1:
-        device = torch.device("cuda", config.tp_rank)
+        device = torch.device("cuda", config.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     set_tp_info(config.tp_rank, config.tp_size)
@@ -285,7 +285,7 @@ def _init_device(config: EngineConfig) -> torch.device:
             world_size=config.tp_size,
         )
     if device.type == "cpu":
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.tp_size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.ranks_per_node))
     torch.manual_seed(0)  # dummy weights: the same random model in every run
     return device
 

@@ -5,6 +5,9 @@ shell) until SIGINT/SIGTERM or until a child dies.
               ├─ tokenizer + detokenizer    (minisgl.tokenizer.worker)
               └─ API server                 (minisgl.server.api_server)
 
+Over several machines (--nnodes) each runs a launcher: node 0's starts all of the above but the
+other nodes' ranks, which their own launchers start, and which follow rank 0 until it stops.
+
 On SIGINT or SIGTERM it lets the API server drain (--shutdown-timeout), then stops the rest. The
 children talk over abstract sockets (the TP ranks among themselves over torch.distributed) and die
 with the launcher, however it ends: nothing is left behind. This module imports nothing heavy:
@@ -51,22 +54,52 @@ def _base_url(args: ServerArgs) -> str:
     return f"http://{host}:{args.port}"
 
 
+def _node_ranks(args: ServerArgs) -> range:
+    """The TP ranks this node runs: an even share, in rank order (node 0 holds rank 0)."""
+    per_node = args.engine.ranks_per_node
+    return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+
+
 def _start(args: ServerArgs, addresses: Addresses, procs: list[BaseProcess]) -> None:
-    """Start every child, adding each to `procs` as it starts (a signal may cut this short)."""
-    dist_init = local_init_method() if args.engine.tp_size > 1 else None
+    """Start every child of this node, adding each to `procs` as it starts (a signal may cut this
+    short)."""
+    if args.dist_init_addr is not None:
+        dist_init = f"tcp://{args.dist_init_addr}"
+    else:
+        dist_init = local_init_method() if args.engine.tp_size > 1 else None
     children: list[tuple[str, str, tuple[Any, ...]]] = []
-    for rank in range(args.engine.tp_size):
+    for rank in _node_ranks(args):
         engine = replace(args.engine, tp_rank=rank, dist_init_method=dist_init)
         if rank == 0:
             entry, entry_args = "run_scheduler", (engine, args.scheduler, addresses)
         else:
             entry, entry_args = "run_follower", (engine, args.scheduler)
         children.append((f"scheduler-{rank}", f"minisgl.scheduler.worker:{entry}", entry_args))
-    tokenizer_args = (args.engine.model_path, addresses, args.chat_template)
-    children.append(("tokenizer", "minisgl.tokenizer.worker:run_tokenizer", tokenizer_args))
-    children.append(("api-server", "minisgl.server.api_server:run_api_server", (args, addresses)))
+    if args.node_rank == 0:
+        tokenizer_args = (args.engine.model_path, addresses, args.chat_template)
+        children.append(("tokenizer", "minisgl.tokenizer.worker:run_tokenizer", tokenizer_args))
+        api_args = (args, addresses)
+        children.append(("api-server", "minisgl.server.api_server:run_api_server", api_args))
     for name, target, target_args in children:
         procs.append(start_child(name, target, *target_args))
+
+
+def _follow(args: ServerArgs, procs: list[BaseProcess]) -> int:
+    """A node past 0: its ranks follow rank 0's until rank 0 stops (0) or one of them fails (1)."""
+    ranks = _node_ranks(args)
+    print(
+        f"minisgl: node {args.node_rank} of {args.engine.nnodes} runs TP ranks {ranks.start}-"
+        f"{ranks.stop - 1}, led by rank 0 at {args.dist_init_addr}",
+        file=sys.stderr,
+        flush=True,
+    )
+    multiprocessing.connection.wait([p.sentinel for p in procs])
+    dead = _dead(procs)
+    if all(p.exitcode == 0 for p in procs if p.exitcode is not None):
+        print("minisgl: rank 0 has stopped", file=sys.stderr)
+        return 0
+    print(f"minisgl: a process exited: {', '.join(dead)}", file=sys.stderr)
+    return 1
 
 
 def _dead(procs: list[BaseProcess]) -> list[str]:
@@ -130,6 +163,8 @@ def launch(args: ServerArgs) -> int:
     start = time.monotonic()
     try:
         _start(args, Addresses.new(), procs)
+        if args.node_rank > 0:
+            return _follow(args, procs)
         _wait_ready(url, procs)
         if args.shell:
             run_shell(url, args.served_model_name, args.api_key)
