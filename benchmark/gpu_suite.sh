@@ -5,7 +5,7 @@
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
 #   PART: kernels sweep-attention gemv host latency bench bench-hf profile profile-shapes shapes
 #         prefill latency-profile cprofile
-#         ablations pdl baseline tests tests-engine serving serving-8b
+#         ablations pdl baseline tests tests-engine tests-tp serving serving-8b
 #         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all)
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
@@ -125,6 +125,9 @@ for part in "$@"; do
       MINISGL_TEST_DEVICE=cuda step tests_engine 330 python3 -m pytest -q -x -p no:cacheprovider tests \
         --ignore-glob='tests/test_server*' --ignore=tests/test_shell.py --ignore=tests/stress \
         --ignore=tests/test_bench_serving.py ;;
+    tests-tp)  # TP 2 on two GPUs (NCCL, the all-reduces inside CUDA graphs); on one, the CPU's
+      MINISGL_TEST_DEVICE=cuda step tests_tp 420 python3 -m pytest -q -rf -p no:cacheprovider \
+        tests/test_tp.py tests/test_tp_cuda.py tests/test_server_tp.py ;;
     serving) serving serving tests/assets/qwen3-tokenizer ;;
     serving-8b) serving serving_8b benchmark/presets/llama-3.1-8b ;;
     moe) moe tests kernel latency bench ;;

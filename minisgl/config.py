@@ -43,10 +43,15 @@ class EngineConfig:
     dummy_weights: bool = False
     tp_rank: int = 0
     tp_size: int = 1
+    nnodes: int = 1  # machines the TP ranks are spread over, an even share on each
     dist_init_method: str | None = None  # torch.distributed init URL when tp_size > 1
 
     def __post_init__(self) -> None:
-        check_positive(self, "page_size", "max_running_requests", "tp_size")
+        check_positive(self, "page_size", "max_running_requests", "tp_size", "nnodes")
+        if self.tp_size % self.nnodes != 0:
+            raise ConfigError(
+                f"a TP size of {self.tp_size} does not split over {self.nnodes} nodes"
+            )
         check_positive(self, "max_kv_tokens", "max_model_len", optional=True)
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp rank {self.tp_rank} is outside a TP size of {self.tp_size}")
@@ -54,6 +59,15 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ConfigError("cuda_graph_max_bs must be >= 0")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's place among its node's ranks (nodes hold consecutive ranks): its GPU."""
+        return self.tp_rank % self.ranks_per_node
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,18 @@
-"""The offline API: `LLM(model, **settings).generate(prompts, sampling_params)`, all in this process.
+"""The offline API: `LLM(model, **settings).generate(prompts, sampling_params)`, in this process.
 
 The settings are EngineConfig's and SchedulerConfig's fields (`minisgl.config`), the same the CLI
-sets; chunk_size defaults to the offline one there."""
+sets; chunk_size defaults to the offline one there. With tp_size=N this process is TP rank 0 and
+starts ranks 1..N-1 as the server's follower processes (spawned: a script that makes an LLM needs
+`if __name__ == "__main__":`); `close()` stops them. A process holds one TP group: one such LLM at
+a time."""
 
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
+from dataclasses import replace
+from multiprocessing.process import BaseProcess
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -18,35 +25,68 @@ from minisgl.config import (
     split_overrides,
 )
 from minisgl.core import SamplingParams, choice_params
-from minisgl.engine.engine import Engine
-from minisgl.messages import Finished, StepOutputs
-from minisgl.scheduler.scheduler import Scheduler
+from minisgl.messages import AbortRequest, AddRequests, Finished, FlushPrefixCache, StepOutputs
+from minisgl.scheduler.lockstep import Message
+from minisgl.scheduler.worker import SchedulerWorker, start_worker
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
-from minisgl.utils import load_eos_token_ids, resolve_model_path
+from minisgl.utils import resolve_model_path
+from minisgl.utils.process import local_init_method, start_child
+from minisgl.utils.torch_utils import resolve_device
 
 Prompt = str | list[int]
+_PLACEMENT = ("tp_rank", "nnodes", "dist_init_method")  # the LLM places its ranks itself
+_STOP_TIMEOUT_S = 30.0
 
 
 class LLM:
     def __init__(self, model: str | None = None, **settings: Any) -> None:
         path = resolve_model_path(model)
         engine_settings, scheduler_settings = split_overrides(settings)
-        if engine_settings.get("tp_size", 1) != 1:
-            raise ValueError("the offline LLM runs one rank; serve with --tp for more")
+        if given := [name for name in _PLACEMENT if name in engine_settings]:
+            raise ValueError(f"{', '.join(given)}: the offline LLM places its TP ranks itself")
+        engine_config = EngineConfig(model_path=path, **engine_settings)
+        if engine_config.tp_size > 1:
+            engine_config = replace(engine_config, dist_init_method=local_init_method())
+        if "chunk_size" not in scheduler_settings:  # rank 0's, which every rank must share
+            device = resolve_device(engine_config.device)
+            scheduler_settings["chunk_size"] = _offline_chunk_size(device)
+        scheduler_config = SchedulerConfig(**scheduler_settings)
         self.tokenizer = load_tokenizer(path)
-        self.engine = Engine(EngineConfig(model_path=path, **engine_settings))
-        if "chunk_size" not in scheduler_settings:
-            scheduler_settings["chunk_size"] = _offline_chunk_size(self.engine.device)
-        self.scheduler = Scheduler(
-            SchedulerConfig(**scheduler_settings),
-            self.engine,
-            load_eos_token_ids(path),
-            wait_for_grammars=True,
-        )
-        if self.engine.device.type == "cuda":  # where kernels compile
-            self.scheduler.warm_up()
+        followers = [
+            start_child(
+                f"minisgl-rank{rank}",
+                "minisgl.scheduler.worker:run_follower",
+                replace(engine_config, tp_rank=rank),
+                scheduler_config,
+            )
+            for rank in range(1, engine_config.tp_size)
+        ]
+        try:
+            self._worker = start_worker(engine_config, scheduler_config, wait_for_grammars=True)
+        except BaseException:
+            _stop_followers(None, followers)
+            raise
+        self.scheduler = self._worker.scheduler
+        self.engine = self.scheduler.engine
+        self._close = weakref.finalize(self, _stop_followers, self._worker, followers)
         self._rids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other TP ranks' processes and leave the TP group (at TP 1: nothing to do).
+        Done on garbage collection and at exit too; the LLM generates no more after it."""
+        self._close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def _tokenize(self, prompts: str | Sequence[Prompt]) -> list[list[int]]:
         if isinstance(prompts, str):
@@ -82,33 +122,38 @@ class LLM:
                 raise ValueError(
                     f"{len(prompt_params)} sampling params for {len(prompt_ids)} prompts"
                 )
-        ids, params = [], []
+        add = AddRequests([], [], [])
         for prompt, p in zip(prompt_ids, prompt_params, strict=True):
             choices = choice_params(p, p.n)
-            ids += [prompt] * len(choices)
-            params += choices
-        rids = [next(self._rids) for _ in ids]
-        self.scheduler.add_requests(list(zip(rids, ids, params, strict=True)))
+            add.prompts.append(prompt)
+            add.rids.append([next(self._rids) for _ in choices])
+            add.params.append(choices)
         arrival = time.perf_counter()
+        # the server's way in: every rank applies the same messages in the same step
+        messages: list[Message] = [add]
+        out = self._worker.step(messages)
+        if out.errors:  # all the requests or none are added: none were
+            raise ValueError(out.errors[0].message)
         runs = {
-            rid: _Run(self.tokenizer, prompt_ids, p, arrival)
-            for rid, prompt_ids, p in zip(rids, ids, params, strict=True)
+            rid: _Run(self.tokenizer, prompt, p, arrival)
+            for prompt, rids, choices in zip(add.prompts, add.rids, add.params, strict=True)
+            for rid, p in zip(rids, choices, strict=True)
         }
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
-            while self.scheduler.has_work:
-                out = self.scheduler.step()
+        with tqdm(total=len(runs), desc="generate", disable=not use_tqdm) as bar:
+            while True:
                 now = time.perf_counter()  # when this step's tokens reached the host
+                # a stop string matched: the request ends in the next step, as in the server
                 stopped = self._apply(out, runs, now)
-                for rid in stopped:  # a stop string matched: it ends here, as in the server
-                    finish = self.scheduler.abort_request(rid)
-                    assert finish is not None
-                    runs[rid].finish(finish, now)
-                bar.update(sum(f.rid in runs for f in out.finished) + len(stopped))
-        return [runs[rid].result for rid in rids]
+                bar.update(sum(f.rid in runs for f in out.finished))
+                messages = [AbortRequest(stopped)] if stopped else []
+                if not messages and not self.scheduler.has_work:
+                    break
+                out = self._worker.step(messages)
+        return [runs[rid].result for rid in itertools.chain(*add.rids)]
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (vLLM's `reset_prefix_cache`); returns the pages freed."""
-        return self.scheduler.kv.flush_prefix_cache()
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`), on every TP rank."""
+        self._worker.step([FlushPrefixCache()])
 
     def chat(
         self,
@@ -188,6 +233,19 @@ class _Run:
             prompt_tokens=end.prompt_tokens,
             cached_tokens=end.cached_tokens,
         )
+
+
+def _stop_followers(worker: SchedulerWorker | None, followers: list[BaseProcess]) -> None:
+    """Tell the other ranks to stop (when they follow `worker`), wait for them, leave the group."""
+    if worker is not None and worker.lockstep is not None:
+        worker.lockstep.send(None)
+    for proc in followers:
+        proc.join(_STOP_TIMEOUT_S if worker is not None else 0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if worker is not None:
+        worker.scheduler.engine.close()
 
 
 def _offline_chunk_size(device: torch.device) -> int:

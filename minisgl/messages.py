@@ -1,11 +1,12 @@
-"""The wire between processes: small dataclasses, msgpack-encoded, over ZMQ PUSH/PULL sockets.
+"""The wire between processes: small dataclasses, msgpack-encoded, over ZMQ PUSH/PULL sockets
+(and from scheduler rank 0 to the other ranks over a torch.distributed gloo group).
 
                  ┌──────────────── tokenizer process ────────────────┐
   API server ─TokenizeRequest, AbortRequest─▶ tokenize thread ─AddRequests, AbortRequest─▶ scheduler
     ▲  ▲                                       │     ▲                                      rank 0
     │  └───────────── Ready ───────────────────┘     └──────────── Ready ───────────────────┘ │ │
     └─ Heartbeat, TextOutputs ─ detokenize thread ◀─ Heartbeat, StepOutputs ────────────────┘ │
-                  scheduler ranks 1..tp-1 ◀── each step's list[AddRequests | AbortRequest] ────┘
+  scheduler ranks 1..tp-1 ◀── each step's list[AddRequests | AbortRequest] (gloo) ────────────┘
 
 Every socket is bound by the process that reads it; the processes that write to it connect. A
 step's outputs travel as one message of columns (a row per request that got a token), and what
@@ -57,6 +58,13 @@ class TokenizeRequest:
 @dataclass
 class AbortRequest:
     rids: list[int]
+
+
+@_wire
+@dataclass
+class FlushPrefixCache:
+    """Evict every cached prefix no request holds (SGLang's /flush_cache, vLLM's
+    reset_prefix_cache); on every TP rank in the same turn, so their pools stay alike."""
 
 
 @_wire
@@ -230,15 +238,12 @@ class Addresses:
     api: str
     tokenizer: str  # its tokenize thread: requests from the API server
     detokenizer: str  # its detokenize thread: what the scheduler sends
-    scheduler: str
-    followers: tuple[str, ...]  # scheduler ranks 1..tp-1
+    scheduler: str  # rank 0's; the other ranks get their messages from it (scheduler.lockstep)
 
     @classmethod
-    def new(cls, tp_size: int) -> Addresses:
+    def new(cls) -> Addresses:
         prefix = f"ipc://@minisgl-{uuid.uuid4().hex}-"
-        names = ("api", "tokenizer", "detokenizer", "scheduler")
-        followers = tuple(f"{prefix}rank{r}" for r in range(1, tp_size))
-        return cls(*(prefix + name for name in names), followers=followers)
+        return cls(*(prefix + name for name in ("api", "tokenizer", "detokenizer", "scheduler")))
 
 
 def bind_pull(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -258,10 +263,6 @@ def connect_push(ctx: zmq.Context, address: str) -> zmq.Socket:
 
 def send(sock: zmq.Socket, msg: Any) -> None:
     sock.send(encode(msg), copy=False)
-
-
-def recv(sock: zmq.Socket) -> Any:
-    return decode(sock.recv())
 
 
 def recv_all(sock: zmq.Socket, timeout_ms: int | None) -> list[Any]:

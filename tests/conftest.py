@@ -21,6 +21,9 @@ import transformers
 from minisgl.utils import DEFAULT_MODEL_PATH
 
 DEVICE = os.environ.get("MINISGL_TEST_DEVICE", "cpu")
+# where TP 2 runs: on two GPUs (NCCL) when the suite runs on CUDA and has them, else on the CPU
+# (gloo): one GPU cannot hold two ranks
+TP_DEVICE = "cuda" if DEVICE == "cuda" and torch.cuda.device_count() >= 2 else "cpu"
 if DEVICE == "cpu":
     # Triton kernels run in Triton's interpreter on CPU tensors; read when triton.jit decorates them
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -204,6 +207,20 @@ def assert_same_or_near_tie(
     assert gap < 1e-4, (
         f"first difference at token {i}: got {got[i]}, want {want[i]}, top-2 gap {gap}"
     )
+
+
+def assert_same_or_near_tie_as(got: list[int], reference: dict) -> None:
+    """Equal to another engine's result (`LLM.generate`'s, asked with logprobs=2) token by token,
+    or the first difference is a near tie in that engine's own logits: its two most likely tokens
+    there within 1e-4 (logprobs differ from the logits by one constant per row)."""
+    want = reference["token_ids"]
+    if got == want:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    assert i is not None, f"{len(got)} tokens, {len(want)} wanted, the same up to there"
+    top = reference["logprobs"][i]["top_logprobs"]
+    gap = top[0]["logprob"] - top[1]["logprob"]
+    assert gap < 1e-4, f"first difference at token {i}: got {got[i]}, want {want[i]}, gap {gap}"
 
 
 def step_tokens(scheduler) -> list[tuple[int, int]]:

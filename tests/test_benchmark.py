@@ -101,8 +101,13 @@ def test_bench_reports_the_workload_tokens(checkpoint) -> None:
 
 def test_latency_reports_the_requested_tokens(checkpoint) -> None:
     args = ["--model", str(checkpoint("llama")), *SMOKE, "--prompt-len", "16", "--output-len", "8"]
-    ours, floor = latency.main(args)["rows"]
+    one = latency.main(args)
+    ours, floor = one["rows"]
     assert ours["output_tokens"] == floor["output_tokens"] == 8
+    # over two ranks (LLM(tp_size=2)): the floor is one rank's share of the KV
+    two = latency.main([*args, "--tp", "2"])
+    assert two["rows"][0]["output_tokens"] == 8
+    assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 2
 
 
 def test_prefill_counts_every_prompt_token(checkpoint) -> None:

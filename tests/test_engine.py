@@ -182,8 +182,8 @@ def test_reset_prefix_cache_frees_every_cached_page_and_the_next_run_recomputes(
     llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=2048, page_size=4)
     first = llm.generate([prompt], sp, use_tqdm=False)[0]
     kv = llm.scheduler.kv
-    cached = len(kv.prefix_cache.cached_pages())
-    assert cached > 0 and llm.reset_prefix_cache() == cached
+    assert kv.prefix_cache.cached_pages()
+    llm.reset_prefix_cache()
     assert kv.allocator.num_free == kv.num_pages and not kv.prefix_cache.cached_pages()
     again = llm.generate([prompt], sp, use_tqdm=False)[0]
     assert again["cached_tokens"] == 0 and again["token_ids"] == first["token_ids"]

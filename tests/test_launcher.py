@@ -4,6 +4,7 @@ flags vLLM users reach for exist and reach the server."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,7 @@ def _model_dir(tmp_path: Path, weights: bool = True, tokenizer: bool = True, **c
         (["--device", "cpu", "--max-kv-tokens", "256"], "set --max-model-len to at most 256"),
         (["--device", "cpu", "--max-model-len", "4096"], "exceeds the model's 2048 positions"),
         (["--device", "cpu", "--model", "/nonexistent"], "not a model directory"),
+        (["--tp", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr HOST:PORT"),
     ],
 )
 def test_a_bad_setting_fails_before_any_child_starts_in_one_line(flags, message) -> None:
@@ -65,6 +67,20 @@ def test_a_bad_setting_fails_before_any_child_starts_in_one_line(flags, message)
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("minisgl: error:"), run.stderr
     assert message in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--nnodes", "2", "--node-rank", "2"], "--node-rank must be in 0-1, not 2"),
+        (["--tp", "3", "--nnodes", "2"], "a TP size of 3 does not split over 2 nodes"),
+        (["--dist-init-addr", "29500"], "--dist-init-addr must be HOST:PORT, not '29500'"),
+    ],
+)
+def test_a_bad_node_layout_is_refused_with_the_settings(flags: list[str], message: str) -> None:
+    """Found with the other settings (the case above shows that they fail in one line)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args(["--tp", "2", "--dist-init-addr", "127.0.0.1:29500", *flags])
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ ignore_eos, temperature 0.6 (nano-vllm's bench), on the Qwen3-0.6B shape with ra
     python benchmark/offline/bench.py --skip-hf --profile      # where the GPU time goes
     python benchmark/offline/bench.py --skip-hf --model benchmark/presets/qwen3-30b-a3b
                                     # MoE: the floor counts the experts each step selects
+    python benchmark/offline/bench.py --skip-hf --tp 2         # two GPUs (floor: one rank's share)
     python benchmark/offline/bench.py --model TINY --device cpu --dtype float32 \
         --num-requests 4 --min-len 8 --max-len 16 --skip-hf    # CPU smoke run
 """

@@ -129,12 +129,13 @@ def device_seconds(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 def model_bytes(llm: LLM) -> tuple[int, int]:
-    """(bytes of all weights, KV bytes per token) of the engine's model; a tied weight counts once."""
+    """(bytes of all weights, KV bytes per token) of the engine's model; a tied weight counts once.
+    Under TP, rank 0's share: every rank reads its own at the same time, from its own memory."""
     tensors = {t.data_ptr(): t for t in llm.engine.model.state_dict().values()}
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     mc = llm.engine.model_config
     kv_per_token = KVPool.bytes_per_token(
-        mc.num_layers, mc.num_kv_heads, mc.head_dim, llm.engine.dtype
+        mc.num_layers, llm.engine.num_kv_heads, mc.head_dim, llm.engine.dtype
     )
     return weight_bytes, kv_per_token
 
@@ -254,6 +255,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--model", default=str(QWEN3_SHAPE), help="model directory (weights are random)"
     )
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, a GPU each")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--attention-backend", default="auto")
@@ -269,6 +271,7 @@ def build_llm(args: argparse.Namespace, **kwargs: Any) -> LLM:
     settings = {
         "device": args.device,
         "dtype": args.dtype,
+        "tp_size": args.tp,
         "page_size": args.page_size,
         "attention_backend": args.attention_backend,
         "moe_backend": args.moe_backend,

@@ -4,6 +4,7 @@ experts those its token selects, and its own KV).
 
     python benchmark/offline/latency.py                        # the standard run (H200)
     python benchmark/offline/latency.py --model benchmark/presets/qwen3-30b-a3b   # MoE (H200)
+    python benchmark/offline/latency.py --tp 2                 # two GPUs (floor: one rank's share)
     python benchmark/offline/latency.py --model TINY --device cpu --dtype float32 \
         --prompt-len 16 --output-len 8                         # CPU smoke run
 """
@@ -57,9 +58,10 @@ def generate_timed(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[int, f
 
 def gpu_step_seconds(llm: LLM, replays: int = 200) -> float | None:
     """The GPU's part of one decode step: the one-row CUDA graph replayed back to back on the last
-    step's inputs, with no host work in between. None without CUDA graphs."""
+    step's inputs, with no host work in between. None without CUDA graphs, and under TP: rank 0
+    replaying alone would wait in its all-reduces for ranks that do not."""
     runner = llm.engine.graph_runner
-    if runner is None or llm.engine.device.type != "cuda":
+    if runner is None or llm.engine.device.type != "cuda" or llm.engine.config.tp_size > 1:
         return None
     runner.replay(1)
     _, seconds = timed(lambda: [runner.replay(1) for _ in range(replays)], llm.engine.device)

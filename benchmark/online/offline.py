@@ -17,15 +17,15 @@ from minisgl.llm import LLM
 from minisgl.server.args import ServerArgs
 from minisgl.tokenizer.loader import prompt_ids
 
-# engine settings the offline LLM sets itself: its one rank and the model it is given
-_NOT_SETTINGS = ("model_path", "tp_rank", "tp_size", "dist_init_method")
+# engine settings the offline LLM sets itself: where its ranks run and the model it is given
+_NOT_SETTINGS = ("model_path", "tp_rank", "nnodes", "dist_init_method")
 
 
 def engine_overrides(server: ServerArgs) -> dict[str, Any]:
     """The LLM settings that give an offline engine the server's, defaults included: the
     offline API's own defaults differ (its chunk size on a large GPU)."""
-    if server.engine.tp_size != 1:
-        raise ValueError("--offline runs one engine: launch the server without --tp")
+    if server.engine.nnodes != 1:
+        raise ValueError("--offline runs on one machine: launch the server without --nnodes")
     engine = {k: v for k, v in vars(server.engine).items() if k not in _NOT_SETTINGS}
     return {**engine, **vars(server.scheduler)}
 

@@ -17,3 +17,9 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     )
     dist.all_gather_into_tensor(out, x.contiguous())
     return out
+
+
+def broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank, in place."""
+    dist.broadcast(x, 0)
+    return x

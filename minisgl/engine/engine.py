@@ -21,7 +21,7 @@ from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.attention.base import AttentionBackend
 from minisgl.config import ConfigError, EngineConfig, check_kv_capacity, max_seq_len
 from minisgl.core import Batch, BatchInputs, EngineLayout
-from minisgl.distributed import set_tp_info
+from minisgl.distributed import broadcast, set_tp_info
 from minisgl.kernel import sample_tokens
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.linear import local_kv_heads
@@ -89,10 +89,12 @@ class Engine:
         sample_counters = torch.zeros(
             config.max_running_requests, dtype=torch.int32, device=self.device
         )
+        # TP ranks take rank 0's tokens after the step (`forward`), not the ones they sampled
+        host_table = self.host_token_table if config.tp_size == 1 else None
         # not a bound method: the graph runner holds it, and must not keep the engine alive
         self._step = functools.partial(
             _forward_step, self.model, self.attn_backend, self.page_table, self.token_table,
-            self.host_token_table, sample_counters,
+            host_table, sample_counters,
         )  # fmt: skip
         self.layout = EngineLayout(
             num_pages=self.pool.num_pages,
@@ -124,6 +126,11 @@ class Engine:
             f"; CUDA graphs for batches {graphs}",
             f"built in {self.build_seconds:.1f} s",
         ]
+
+    def close(self) -> None:
+        """Leave the TP group, if any, so that a later engine in this process may join one."""
+        if self.config.tp_size > 1:
+            dist.destroy_process_group()
 
     # ------------------------------------------------------------------ building
     def _build_pool(self, free_before: int, seq_len: int) -> KVPool:
@@ -213,10 +220,13 @@ class Engine:
             metadata = self.attn_backend.prepare(batch)
             logits, step_tokens = self._step(batch.is_decode, inputs, metadata, sampling)
         out = self.sampler.sample(logits, step_tokens, args)
-        if args.after_step:  # the tokens drawn after the step replace the ones it wrote
+        tp = self.config.tp_size > 1
+        if tp:  # every rank takes rank 0's: seeds or logits that differ in a bit must not fork them
+            broadcast(out.tokens)
+        if args.after_step or tp:  # these tokens replace the ones the step wrote
             self.token_table.view(-1).scatter_(0, inputs.sample_entries, out.tokens)
         copies = None
-        if args.after_step or args.num_logprobs >= 0:
+        if args.after_step or tp or args.num_logprobs >= 0:
             copies = SampleOutput(*(None if t is None else _to_host(t) for t in vars(out).values()))
         done = None
         if self.device.type == "cuda":
@@ -238,7 +248,7 @@ def _forward_step(
     attn_backend: AttentionBackend,
     page_table: torch.Tensor,
     token_table: torch.Tensor,
-    host_token_table: torch.Tensor,
+    host_token_table: torch.Tensor | None,
     sample_counters: torch.Tensor,
     is_decode: bool,
     inputs: BatchInputs[torch.Tensor],
@@ -263,7 +273,7 @@ def _init_device(config: EngineConfig) -> torch.device:
     """This rank's device, TP group and CPU threads."""
     device = resolve_device(config.device)
     if device.type == "cuda" and config.tp_size > 1:
-        device = torch.device("cuda", config.tp_rank)
+        device = torch.device("cuda", config.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     set_tp_info(config.tp_rank, config.tp_size)
@@ -275,7 +285,7 @@ def _init_device(config: EngineConfig) -> torch.device:
             world_size=config.tp_size,
         )
     if device.type == "cpu":
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.tp_size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.ranks_per_node))
     torch.manual_seed(0)  # dummy weights: the same random model in every run
     return device
 

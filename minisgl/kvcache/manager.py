@@ -108,11 +108,9 @@ class KVCacheManager:
         # entries not yet written are void, and the slot's next owner assigns the same positions
         self._pending = [run for run in self._pending if run[0] != slot]
 
-    def flush_prefix_cache(self) -> int:
-        """Evict every page no live request holds; returns how many went back to the pool."""
-        pages = self.prefix_cache.evict(self.prefix_cache.num_evictable_pages)
-        self.allocator.free(pages)
-        return len(pages)
+    def flush_prefix_cache(self) -> None:
+        """Evict every cached page no live request holds."""
+        self.allocator.free(self.prefix_cache.evict(self.prefix_cache.num_evictable_pages))
 
     def _assign(self, slot: int, pages: list[int]) -> None:
         """Append pages to the slot; their page-table entries go out with the next batch."""

@@ -1,9 +1,10 @@
 """The scheduler process: one per TP rank, each running the same `Scheduler` in lockstep.
 
 Rank 0 reads requests from the tokenizer and, before applying them, sends each step's messages to
-ranks 1..tp-1, so every rank adds and aborts the same requests in the same order and runs identical
-`step()`s (their forwards meet in the TP collectives). Only rank 0 sends outputs, and a thread of
-its own sends a heartbeat every half second, however long a step takes.
+ranks 1..tp-1 (`lockstep`), so every rank adds and aborts the same requests in the same order and
+runs identical `step()`s (their forwards meet in the TP collectives). Only rank 0 sends outputs,
+and a thread of its own sends a heartbeat every half second, however long a step takes. The
+offline LLM is rank 0 itself, and starts the other ranks as these processes.
 """
 
 import threading
@@ -16,10 +17,10 @@ from minisgl.config import EngineConfig, SchedulerConfig
 from minisgl.engine.engine import Engine
 from minisgl.kvcache import IntegrityError
 from minisgl.messages import (
-    AbortRequest,
     AddRequests,
     Addresses,
     Finished,
+    FlushPrefixCache,
     Heartbeat,
     Ready,
     ReqError,
@@ -27,12 +28,12 @@ from minisgl.messages import (
     StepOutputs,
     bind_pull,
     connect_push,
-    recv,
     recv_all,
     send,
 )
 from minisgl.utils import init_logger, load_eos_token_ids
 
+from .lockstep import Lockstep, Message
 from .scheduler import Scheduler
 
 logger = init_logger(__name__)
@@ -41,20 +42,20 @@ LOAD_INTERVAL_S = 0.5  # how often a busy scheduler reports its load (and always
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_TURN_MS = 500  # an idle loop still turns this often, so its heartbeat proves it is not stuck
 
-Message = AddRequests | AbortRequest
-
 
 class SchedulerWorker:
-    def __init__(self, scheduler: Scheduler, rank: int) -> None:
+    def __init__(self, scheduler: Scheduler, rank: int, lockstep: Lockstep | None) -> None:
         self.scheduler = scheduler
         self.rank = rank
+        self.lockstep = lockstep  # None: the only rank
         self.integrity_checks = 0
         self.integrity_failures = 0
         self._last_load = 0.0
         self.last_turn = time.monotonic()  # when the serving loop last went round (the heartbeat's)
 
     def apply(self, messages: list[Message]) -> tuple[list[Finished], list[ReqError]]:
-        """Add and abort requests; returns the aborted ones' ends and the rejected ones."""
+        """Add and abort requests, flush the prefix cache; returns the aborted requests' ends and
+        the rejected ones."""
         finished: list[Finished] = []
         errors: list[ReqError] = []
         for msg in messages:
@@ -68,6 +69,8 @@ class SchedulerWorker:
                     self.scheduler.add_requests(requests)
                 except ValueError as e:
                     errors += [ReqError(rid, str(e)) for rid, _, _ in requests]
+            elif isinstance(msg, FlushPrefixCache):
+                self.scheduler.kv.flush_prefix_cache()
             else:
                 for rid in msg.rids:
                     aborted = self.scheduler.abort_request(rid)
@@ -99,7 +102,10 @@ class SchedulerWorker:
         )
 
     def step(self, messages: list[Message]) -> StepOutputs:
-        """Apply the messages, run one step; integrity is checked whenever the scheduler idles."""
+        """Apply the messages, run one step; integrity is checked whenever the scheduler idles.
+        Rank 0 first sends the messages to the other ranks, which take the same step."""
+        if self.rank == 0 and self.lockstep is not None:
+            self.lockstep.send(messages)
         aborted, errors = self.apply(messages)
         out = self.scheduler.step()
         out.finished[:0] = aborted
@@ -112,35 +118,48 @@ class SchedulerWorker:
         return out
 
 
-def run_scheduler(
-    engine_config: EngineConfig, scheduler_config: SchedulerConfig, addresses: Addresses
-) -> None:
-    """The process entry point; runs until the process is terminated."""
+def start_worker(
+    engine_config: EngineConfig, scheduler_config: SchedulerConfig, wait_for_grammars: bool
+) -> SchedulerWorker:
+    """This rank's engine and scheduler, returned once every rank has built its own.
+    wait_for_grammars: as `Scheduler`'s, the same on every rank (TP needs it)."""
     engine = Engine(engine_config)
     scheduler = Scheduler(
-        scheduler_config,
-        engine,
-        load_eos_token_ids(engine_config.model_path),
-        wait_for_grammars=engine_config.tp_size > 1,  # the ranks admit requests in lockstep
+        scheduler_config, engine, load_eos_token_ids(engine_config.model_path), wait_for_grammars
     )
     if engine.device.type == "cuda":  # where kernels compile
         scheduler.warm_up()
-    if engine_config.tp_rank == 0:
-        for line in engine.summary():
-            logger.info(line)
-    worker = SchedulerWorker(scheduler, engine_config.tp_rank)
+    lockstep = None
     if engine_config.tp_size > 1:
-        dist.barrier()  # rank 0 reports ready only once every rank is
-    if worker.rank == 0:
-        _serve_primary(worker, addresses)
-    else:
-        _serve_follower(worker, addresses.followers[worker.rank - 1])
+        lockstep = Lockstep()
+        dist.barrier()
+    return SchedulerWorker(scheduler, engine_config.tp_rank, lockstep)
+
+
+def run_scheduler(
+    engine_config: EngineConfig, scheduler_config: SchedulerConfig, addresses: Addresses
+) -> None:
+    """Rank 0's process entry point; runs until the process is terminated."""
+    # TP ranks admit requests in lockstep
+    worker = start_worker(engine_config, scheduler_config, engine_config.tp_size > 1)
+    for line in worker.scheduler.engine.summary():
+        logger.info(line)
+    _serve_primary(worker, addresses)
+
+
+def run_follower(engine_config: EngineConfig, scheduler_config: SchedulerConfig) -> None:
+    """The process entry point of ranks 1..tp-1 (a server's or an offline LLM's): they take rank
+    0's steps until it stops, or is gone."""
+    worker = start_worker(engine_config, scheduler_config, wait_for_grammars=True)
+    assert worker.lockstep is not None
+    while (messages := worker.lockstep.recv()) is not None:
+        worker.step(messages)  # exactly the messages of rank 0's step
+    worker.scheduler.engine.close()
 
 
 def _serve_primary(worker: SchedulerWorker, addresses: Addresses) -> None:
     ctx = zmq.Context()
     inbox = bind_pull(ctx, addresses.scheduler)
-    followers = [connect_push(ctx, address) for address in addresses.followers]
     outbox = connect_push(ctx, addresses.detokenizer)
     layout = worker.scheduler.layout
     # through the tokenize thread, which checks prompts against it, to the API server
@@ -155,8 +174,6 @@ def _serve_primary(worker: SchedulerWorker, addresses: Addresses) -> None:
         messages = recv_all(inbox, timeout_ms=0 if busy else IDLE_TURN_MS)
         if not messages and not busy:  # idle: the loop only shows that it turns
             continue
-        for follower in followers:
-            send(follower, messages)
         out = worker.step(messages)
         if out.rids or out.finished or out.errors or out.load is not None:
             send(outbox, out)
@@ -169,9 +186,3 @@ def _heartbeat(worker: SchedulerWorker, ctx: zmq.Context, address: str) -> None:
     while True:
         send(sock, Heartbeat(time.monotonic() - worker.last_turn))
         time.sleep(HEARTBEAT_INTERVAL_S)
-
-
-def _serve_follower(worker: SchedulerWorker, address: str) -> None:
-    inbox = bind_pull(zmq.Context(), address)
-    while True:
-        worker.step(recv(inbox))  # exactly the messages of rank 0's step

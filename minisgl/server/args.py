@@ -27,8 +27,11 @@ class ServerArgs:
     health_timeout: float = 20.0  # /health fails once the scheduler was silent this long
     timeout_keep_alive: int = 5  # seconds an idle HTTP connection stays open
     log_level: str = "info"
+    node_rank: int = 0  # which of engine.nnodes machines this is; node 0 serves the API
+    dist_init_addr: str | None = None  # HOST:PORT where node 0 meets the others (TCP)
 
     def __post_init__(self) -> None:
+        self._check_nodes()
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port must be in 1-65535, not {self.port}")
         timeouts = [self.shutdown_timeout, self.health_timeout, self.timeout_keep_alive]
@@ -42,3 +45,15 @@ class ServerArgs:
         ]:
             if name is not None and name not in known:
                 raise ValueError(f"{flag} must be one of {', '.join(known)}, not {name!r}")
+
+    def _check_nodes(self) -> None:
+        nnodes = self.engine.nnodes
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"--node-rank must be in 0-{nnodes - 1}, not {self.node_rank}")
+        if self.dist_init_addr is None:
+            if nnodes > 1:
+                raise ValueError(f"--nnodes {nnodes} needs --dist-init-addr HOST:PORT (node 0's)")
+            return
+        host, _, port = self.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"--dist-init-addr must be HOST:PORT, not {self.dist_init_addr!r}")

@@ -47,6 +47,12 @@ _HELP = {
     "device": "cpu, cuda, or auto: cuda when available",
     "dtype": "float32, bfloat16, float16, or auto: bfloat16 on cuda, else float32",
     "tp": "tensor-parallel size: one scheduler process per rank",
+    "nnodes": "machines the TP ranks are spread over, each running this command with its "
+    "--node-rank",
+    "node_rank": "this machine's place among --nnodes: node 0 serves the API, the others only "
+    "their scheduler ranks",
+    "dist_init_addr": "HOST:PORT of node 0 where the ranks meet (torch.distributed over TCP; "
+    "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME pick the network interface)",
     "page_size": "tokens per KV cache page",
     "max_running_requests": "requests decoded together at most (KV slots)",
     "max_kv_tokens": "KV cache size in tokens (default: sized from free memory)",

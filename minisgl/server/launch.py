@@ -5,23 +5,22 @@ shell) until SIGINT/SIGTERM or until a child dies.
               ├─ tokenizer + detokenizer    (minisgl.tokenizer.worker)
               └─ API server                 (minisgl.server.api_server)
 
+Over several machines (--nnodes) each runs a launcher: node 0's starts all of the above but the
+other nodes' ranks, which their own launchers start, and which follow rank 0 until it stops.
+
 On SIGINT or SIGTERM it lets the API server drain (--shutdown-timeout), then stops the rest. The
-children talk over abstract sockets and die with the launcher, however it ends: nothing is left
-behind. This module imports nothing heavy: each child imports only its own entry point.
+children talk over abstract sockets (the TP ranks among themselves over torch.distributed) and die
+with the launcher, however it ends: nothing is left behind. This module imports nothing heavy:
+each child imports only its own entry point.
 """
 
-import ctypes
-import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
 import resource
 import signal
-import socket
 import sys
-import threading
 import time
-import traceback
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -29,45 +28,17 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
-from minisgl.config import ConfigError
 from minisgl.messages import Addresses
+from minisgl.utils.process import local_init_method, start_child
 
 from .args import ServerArgs
 from .shell import run_shell
 
 _STOP_TIMEOUT_S = 5.0
-_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
 class _Stop(Exception):
     """Raised in the launcher by SIGTERM or SIGHUP (SIGINT raises KeyboardInterrupt)."""
-
-
-def _child_main(name: str, launcher: int, target: str, *args: Any) -> None:
-    """Every child: named `name` in `ps` and /proc (comm), ignoring the terminal's Ctrl-C and
-    hang-up (the launcher stops the children), dying with the launcher even if it is killed
-    outright; then the entry point `target` ("module:function"). A bad setting only the child
-    can find (ConfigError) ends it with one line; an error in any of its threads ends it."""
-    for signum in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
-    if sys.platform == "linux":
-        libc = ctypes.CDLL(None)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        libc.prctl(_PR_SET_NAME, name.encode()[:15])
-        if os.getppid() != launcher:  # the launcher died before the line above took effect
-            os._exit(1)
-    threading.excepthook = _exit_on_thread_error  # a dead thread must not leave a live process
-    module, _, function = target.partition(":")
-    try:
-        getattr(importlib.import_module(module), function)(*args)
-    except ConfigError as e:
-        print(f"minisgl: {name}: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-
-
-def _exit_on_thread_error(args: threading.ExceptHookArgs) -> None:
-    traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback)
-    os._exit(1)
 
 
 def _raise_open_file_limit() -> None:
@@ -77,46 +48,58 @@ def _raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _base_url(args: ServerArgs) -> str:
     """Where this machine reaches the server."""
     host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(args.host, args.host)
     return f"http://{host}:{args.port}"
 
 
+def _node_ranks(args: ServerArgs) -> range:
+    """The TP ranks this node runs: an even share, in rank order (node 0 holds rank 0)."""
+    per_node = args.engine.ranks_per_node
+    return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+
+
 def _start(args: ServerArgs, addresses: Addresses, procs: list[BaseProcess]) -> None:
-    """Start every child, adding each to `procs` as it starts (a signal may cut this short)."""
-    ctx = multiprocessing.get_context("spawn")
-    dist_init = f"tcp://127.0.0.1:{_free_port()}" if args.engine.tp_size > 1 else None
-    children: list[tuple[str, str, tuple[Any, ...]]] = [
-        (
-            f"scheduler-{rank}",
-            "minisgl.scheduler.worker:run_scheduler",
-            (
-                replace(args.engine, tp_rank=rank, dist_init_method=dist_init),
-                args.scheduler,
-                addresses,
-            ),
-        )
-        for rank in range(args.engine.tp_size)
-    ]
-    tokenizer_args = (args.engine.model_path, addresses, args.chat_template)
-    children.append(("tokenizer", "minisgl.tokenizer.worker:run_tokenizer", tokenizer_args))
-    children.append(("api-server", "minisgl.server.api_server:run_api_server", (args, addresses)))
+    """Start every child of this node, adding each to `procs` as it starts (a signal may cut this
+    short)."""
+    if args.dist_init_addr is not None:
+        dist_init = f"tcp://{args.dist_init_addr}"
+    else:
+        dist_init = local_init_method() if args.engine.tp_size > 1 else None
+    children: list[tuple[str, str, tuple[Any, ...]]] = []
+    for rank in _node_ranks(args):
+        engine = replace(args.engine, tp_rank=rank, dist_init_method=dist_init)
+        if rank == 0:
+            entry, entry_args = "run_scheduler", (engine, args.scheduler, addresses)
+        else:
+            entry, entry_args = "run_follower", (engine, args.scheduler)
+        children.append((f"scheduler-{rank}", f"minisgl.scheduler.worker:{entry}", entry_args))
+    if args.node_rank == 0:
+        tokenizer_args = (args.engine.model_path, addresses, args.chat_template)
+        children.append(("tokenizer", "minisgl.tokenizer.worker:run_tokenizer", tokenizer_args))
+        api_args = (args, addresses)
+        children.append(("api-server", "minisgl.server.api_server:run_api_server", api_args))
     for name, target, target_args in children:
-        proc = ctx.Process(
-            target=_child_main,
-            args=(name, os.getpid(), target, *target_args),
-            name=name,
-            daemon=True,
-        )
-        proc.start()
-        procs.append(proc)
+        procs.append(start_child(name, target, *target_args))
+
+
+def _follow(args: ServerArgs, procs: list[BaseProcess]) -> int:
+    """A node past 0: its ranks follow rank 0's until rank 0 stops (0) or one of them fails (1)."""
+    ranks = _node_ranks(args)
+    print(
+        f"minisgl: node {args.node_rank} of {args.engine.nnodes} runs TP ranks {ranks.start}-"
+        f"{ranks.stop - 1}, led by rank 0 at {args.dist_init_addr}",
+        file=sys.stderr,
+        flush=True,
+    )
+    multiprocessing.connection.wait([p.sentinel for p in procs])
+    dead = _dead(procs)
+    if all(p.exitcode == 0 for p in procs if p.exitcode is not None):
+        print("minisgl: rank 0 has stopped", file=sys.stderr)
+        return 0
+    print(f"minisgl: a process exited: {', '.join(dead)}", file=sys.stderr)
+    return 1
 
 
 def _dead(procs: list[BaseProcess]) -> list[str]:
@@ -179,7 +162,9 @@ def launch(args: ServerArgs) -> int:
     stopping = False
     start = time.monotonic()
     try:
-        _start(args, Addresses.new(args.engine.tp_size), procs)
+        _start(args, Addresses.new(), procs)
+        if args.node_rank > 0:
+            return _follow(args, procs)
         _wait_ready(url, procs)
         if args.shell:
             run_shell(url, args.served_model_name, args.api_key)

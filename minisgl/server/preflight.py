@@ -25,15 +25,17 @@ def check_settings(args: ServerArgs) -> None:
         raise ValueError(f"--device {engine.device}: no CUDA device is available")
     device = resolve_device(engine.device)
     resolve_dtype(engine.dtype, device)
-    if device.type == "cuda" and engine.tp_size > torch.cuda.device_count():
+    if device.type == "cuda" and engine.ranks_per_node > torch.cuda.device_count():
         raise ValueError(
-            f"--tp {engine.tp_size} needs as many GPUs; {torch.cuda.device_count()} found"
+            f"--tp {engine.tp_size} over {engine.nnodes} node(s) needs {engine.ranks_per_node} "
+            f"GPUs on each; {torch.cuda.device_count()} found"
         )
     ATTENTION_BACKENDS.resolve(engine.attention_backend, device.type)
     MOE_BACKENDS.resolve(engine.moe_backend, device.type)
     PREFIX_CACHES.resolve(args.scheduler.cache, device.type)
     _check_model(args)
-    _check_port_free(args.host, args.port)
+    if args.node_rank == 0:  # the others serve no API
+        _check_port_free(args.host, args.port)
 
 
 def _check_model(args: ServerArgs) -> None:

@@ -1,0 +1,46 @@
+"""How TP ranks stay in lockstep: rank 0 sends each turn's messages to ranks 1..tp-1, which apply
+them and run the same step, so every rank adds and aborts the same requests in the same order.
+
+They travel over a gloo group of their own (CPU tensors, whatever the device), encoded as every
+other message is (`minisgl.messages`). A group reaches the other machines through the address the
+TP group met at: a multi-node run needs no other port, and nothing is bound per rank.
+"""
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from minisgl.messages import AbortRequest, AddRequests, FlushPrefixCache, decode, encode
+from minisgl.utils import init_logger
+
+logger = init_logger(__name__)
+
+Message = AddRequests | AbortRequest | FlushPrefixCache
+# the other ranks wait for rank 0's next turn for as long as it lives: a server or an offline LLM
+# may idle for days
+_WAIT_FOREVER = timedelta(days=36500)
+
+
+class Lockstep:
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self._group = dist.new_group(backend="gloo", timeout=_WAIT_FOREVER)
+
+    def send(self, messages: list[Message] | None) -> None:
+        """Rank 0: this turn's messages, or None: the other ranks stop."""
+        data = torch.frombuffer(bytearray(encode(messages)), dtype=torch.uint8)
+        dist.broadcast(torch.tensor([data.numel()]), 0, group=self._group)
+        dist.broadcast(data, 0, group=self._group)
+
+    def recv(self) -> list[Message] | None:
+        """Ranks 1..tp-1: rank 0's next turn; None once rank 0 has stopped, or is gone."""
+        size = torch.empty(1, dtype=torch.int64)
+        try:
+            dist.broadcast(size, 0, group=self._group)
+            data = torch.empty(int(size), dtype=torch.uint8)
+            dist.broadcast(data, 0, group=self._group)
+        except RuntimeError:  # gloo: the connection to rank 0 closed
+            logger.warning("rank %d: rank 0 is gone", self.rank)
+            return None
+        return decode(data.numpy().tobytes())
