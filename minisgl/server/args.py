@@ -6,6 +6,9 @@ from .limits import RequestLimits
 from .reasoning import REASONING_PARSERS
 from .tool_parser import TOOL_PARSERS
 
+# sglang-router's policies that need nothing more from a worker than minisgl serves
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random")
+
 
 @dataclass(frozen=True)
 class ServerArgs:
@@ -27,6 +30,8 @@ class ServerArgs:
     health_timeout: float = 20.0  # /health fails once the scheduler was silent this long
     timeout_keep_alive: int = 5  # seconds an idle HTTP connection stays open
     log_level: str = "info"
+    dp_size: int = 1  # replicas behind sglang-router; 1: one server, no router
+    router_policy: str = "cache_aware"  # how sglang-router picks a replica for a request
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -36,9 +41,12 @@ class ServerArgs:
             timeouts.append(self.request_timeout)
         if not all(t > 0 for t in timeouts):
             raise ValueError("timeouts must be > 0 seconds")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp must be >= 1, not {self.dp_size}")
         for flag, name, known in [
             ("--tool-call-parser", self.tool_call_parser, TOOL_PARSERS),
             ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS),
+            ("--router-policy", self.router_policy, ROUTER_POLICIES),
         ]:
             if name is not None and name not in known:
                 raise ValueError(f"{flag} must be one of {', '.join(known)}, not {name!r}")

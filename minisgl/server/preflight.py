@@ -2,6 +2,7 @@
 one line instead of in a child after start-up. What only the engine can know (whether the KV
 cache fits in the memory left after the weights) fails in the scheduler process, in one line too."""
 
+import importlib.util
 import socket
 
 import torch
@@ -25,15 +26,24 @@ def check_settings(args: ServerArgs) -> None:
         raise ValueError(f"--device {engine.device}: no CUDA device is available")
     device = resolve_device(engine.device)
     resolve_dtype(engine.dtype, device)
-    if device.type == "cuda" and engine.tp_size > torch.cuda.device_count():
-        raise ValueError(
-            f"--tp {engine.tp_size} needs as many GPUs; {torch.cuda.device_count()} found"
-        )
+    if args.dp_size > 1:
+        _check_data_parallel(args)
+    gpus = engine.tp_size * args.dp_size
+    if device.type == "cuda" and gpus > torch.cuda.device_count():
+        flags = f"--tp {engine.tp_size}" + (f" --dp {args.dp_size}" if args.dp_size > 1 else "")
+        raise ValueError(f"{flags} needs {gpus} GPU(s); {torch.cuda.device_count()} found")
     ATTENTION_BACKENDS.resolve(engine.attention_backend, device.type)
     MOE_BACKENDS.resolve(engine.moe_backend, device.type)
     PREFIX_CACHES.resolve(args.scheduler.cache, device.type)
     _check_model(args)
     _check_port_free(args.host, args.port)
+
+
+def _check_data_parallel(args: ServerArgs) -> None:
+    if importlib.util.find_spec("sglang_router") is None:
+        raise ValueError("--dp needs sglang-router: pip install 'minisgl[router]'")
+    if ":" in args.engine.device:
+        raise ValueError("--dp gives each replica GPUs of its own: --device cuda, not one GPU")
 
 
 def _check_model(args: ServerArgs) -> None:
