@@ -120,7 +120,11 @@ def _prefix_hit_rate(tmp_path: Path, policy: str) -> float:
 
     async def session(client, prompts: list[str], think: random.Random) -> None:
         for prompt in prompts:
-            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+            # 8 tokens: the sessions' first requests overlap, which the cache-aware policy
+            # needs to tell the replicas apart (on equal loads it picks the same one)
+            await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=8, extra_body={"ignore_eos": True}
+            )
             # sessions in lockstep would take turns in a fixed order, which round robin would
             # map onto the replicas one session to one replica, as the cache-aware policy does
             await asyncio.sleep(think.uniform(0, 0.1))
