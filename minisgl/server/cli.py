@@ -48,8 +48,8 @@ _HELP = {
     "device": "cpu, cuda, or auto: cuda when available",
     "dtype": "float32, bfloat16, float16, or auto: bfloat16 on cuda, else float32",
     "tp": "tensor-parallel size: one scheduler process per rank",
-    "dp": "data-parallel replicas, each a whole server on a port and GPUs of its own, behind "
-    "sglang-router on --host/--port (pip install 'minisgl[router]')",
+    "dp": "data-parallel replicas, each a whole server on a port, GPUs and CPU cores of its own, "
+    "behind sglang-router on --host/--port (pip install 'minisgl[router]')",
     "router_policy": "how sglang-router picks a replica for a request (with --dp); cache_aware: "
     "the one that served the longest prefix of its prompt, unless the loads are far apart",
     "page_size": "tokens per KV cache page",

@@ -6,9 +6,10 @@ shell) until SIGINT/SIGTERM or until a child dies.
               └─ API server                 (minisgl.server.api_server)
 
 With --dp N it starts N such servers, the replicas (r0-scheduler-0, r0-tokenizer, r0-api-server,
-r1-...), each on a free port of 127.0.0.1 and on GPUs of its own, then sglang-router in front of
-them on --host/--port (minisgl.server.router). A replica that loses a process is stopped whole and
-the others serve on; the launcher ends when the router or the last replica does.
+r1-...), each on a free port of 127.0.0.1 and on GPUs and CPU cores of its own (placement.py),
+then sglang-router in front of them on --host/--port (router.py). A replica that loses a process
+is stopped whole and taken out of the router, and the others serve on; the launcher ends when the
+router or the last replica does.
 
 On SIGINT or SIGTERM it lets the API servers (and the router) drain (--shutdown-timeout), then
 stops the rest. The children talk over abstract sockets and die with the launcher, however it
