@@ -3,6 +3,7 @@ its own TMPDIR, stopped with a check that no child process and no ipc file is le
 
 import contextlib
 import os
+import random
 import resource
 import signal
 import socket
@@ -21,9 +22,18 @@ START_TIMEOUT_S = 180
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, which port 0 binds and outgoing connections
+    draw from: no other process takes it before the server binds it (a --dp server binds its
+    port once its replicas are ready, seconds later)."""
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(10_000, ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30, what: str = "timed out") -> None:

@@ -157,12 +157,14 @@ def _start(
         _spawn(prefix + name, target, target_args, procs, placement)
 
 
-def _start_replicas(args: ServerArgs, replicas: list[list[BaseProcess]]) -> list[str]:
-    """Start the --dp replicas, each on its placement, adding each one's processes to
+def _start_replicas(
+    args: ServerArgs, replicas: list[list[BaseProcess]], ports: list[int]
+) -> list[str]:
+    """Start the --dp replicas, each on its port and placement, adding each one's processes to
     `replicas`; their URLs."""
     urls = []
     where = placements(args.dp_size, args.engine.tp_size)
-    for i, (port, placement) in enumerate(zip(_free_ports(args.dp_size), where, strict=True)):
+    for i, (port, placement) in enumerate(zip(ports, where, strict=True)):
         # on 127.0.0.1: only the router (and a local metrics scraper) reaches a replica
         replica = replace(args, host="127.0.0.1", port=port, dp_size=1)
         replicas.append([])
@@ -177,10 +179,10 @@ def _start_data_parallel(
     """Start the replicas, then, once each is ready, the router in front of them (adding its
     process to `router`), until it routes to them all; the replicas' URLs and the router's
     metrics URL."""
-    urls = _start_replicas(args, replicas)
+    *ports, metrics_port = _free_ports(args.dp_size + 1)
+    urls = _start_replicas(args, replicas, ports)
     for url in urls:
         _wait_ready(url + "/health", _flat(replicas))
-    metrics_port = _free_port()
     _spawn("router", "minisgl.server.router:run_router", (args, urls, metrics_port), router)
 
     def all_healthy(body: bytes) -> bool:  # sglang-router's /readiness
