@@ -3,6 +3,7 @@ its own TMPDIR, stopped with a check that no child process and no ipc file is le
 
 import contextlib
 import os
+import random
 import resource
 import signal
 import socket
@@ -21,9 +22,18 @@ START_TIMEOUT_S = 180
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, which port 0 binds and outgoing connections
+    draw from: no other process takes it before the server binds it (a --dp server binds its
+    port once its replicas are ready, seconds later)."""
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(10_000, ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30, what: str = "timed out") -> None:
@@ -31,6 +41,17 @@ def wait_for(condition: Callable[[], bool], timeout: float = 30, what: str = "ti
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.1)
+
+
+def read_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """Every sample of the server's GET /metrics, by name with labels."""
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
 
 
 def children(pid: int) -> list[int]:
@@ -99,14 +120,13 @@ class ServerProcess:
         self.children = children(self.proc.pid)
 
     def _wait_ready(self) -> None:
+        """Until the launcher says it serves: once /health answers 200 (with --dp, once the
+        router routes to every replica)."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"server exited:\n{self.log()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
+            if "minisgl: serving " in self.log():
+                return
             time.sleep(0.2)
         raise TimeoutError(f"server not ready:\n{self.log()}")
 
@@ -130,14 +150,7 @@ class ServerProcess:
         return httpx.post(self.url + path, headers=headers, **{"timeout": 60, **kwargs})
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of GET /metrics, by name with labels."""
-        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return read_metrics(self.url, self.headers)
 
     def ipc_files(self) -> list[Path]:
         return sorted(self.tmpdir.glob("minisgl-*"))

@@ -53,6 +53,7 @@ def _model_dir(tmp_path: Path, weights: bool = True, tokenizer: bool = True, **c
         (["--device", "cpu", "--attention-backend", "triton"], "does not run on cpu"),
         (["--device", "cpu", "--port", "99999"], "--port must be in 1-65535"),
         (["--device", "cpu", "--port", "0"], "--port must be in 1-65535"),
+        (["--device", "cpu", "--dp", "0"], "--dp must be >= 1"),
         (["--device", "cpu", "--max-kv-tokens", "256"], "set --max-model-len to at most 256"),
         (["--device", "cpu", "--max-model-len", "4096"], "exceeds the model's 2048 positions"),
         (["--device", "cpu", "--model", "/nonexistent"], "not a model directory"),

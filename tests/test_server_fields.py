@@ -135,3 +135,30 @@ def test_min_tokens_with_a_stop_id_past_the_vocabulary_is_served(server: ServerP
     )
     assert c.usage.completion_tokens == 4
     assert _text(server, max_tokens=2).text
+
+
+# what sglang-router writes into every body it forwards (test_data_parallel.py serves through it)
+SGLANG_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False}
+SGLANG_CHAT_FIELDS = {
+    **SGLANG_FIELDS,
+    "continue_final_message": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+}
+
+
+def test_sglangs_fields_are_served_with_minisgls_values_and_refused_with_others(
+    server: ServerProcess,
+) -> None:
+    completion = {"model": "m", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    chat = {**completion, "messages": [{"role": "user", "content": PROMPT}]}
+    del chat["prompt"]
+    for route, body, fields in [
+        ("/v1/completions", completion, SGLANG_FIELDS),
+        ("/v1/chat/completions", chat, SGLANG_CHAT_FIELDS),
+    ]:
+        plain = server.post(route, json=body).json()["choices"]
+        assert server.post(route, json={**body, **fields}).json()["choices"] == plain
+        for name, value in fields.items():
+            refused = server.post(route, json={**body, name: not value})
+            assert refused.status_code == 400 and name in refused.json()["error"]["message"]

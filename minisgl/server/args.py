@@ -6,6 +6,9 @@ from .limits import RequestLimits
 from .reasoning import REASONING_PARSERS
 from .tool_parser import TOOL_PARSERS
 
+# sglang-router's policies that need nothing more from a worker than minisgl serves
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random")
+
 
 @dataclass(frozen=True)
 class ServerArgs:
@@ -29,6 +32,8 @@ class ServerArgs:
     log_level: str = "info"
     node_rank: int = 0  # which of engine.nnodes machines this is; node 0 serves the API
     dist_init_addr: str | None = None  # HOST:PORT where node 0 meets the others (TCP)
+    dp_size: int = 1  # replicas behind sglang-router; 1: one server, no router
+    router_policy: str = "cache_aware"  # how sglang-router picks a replica for a request
 
     def __post_init__(self) -> None:
         self._check_nodes()
@@ -39,9 +44,12 @@ class ServerArgs:
             timeouts.append(self.request_timeout)
         if not all(t > 0 for t in timeouts):
             raise ValueError("timeouts must be > 0 seconds")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp must be >= 1, not {self.dp_size}")
         for flag, name, known in [
             ("--tool-call-parser", self.tool_call_parser, TOOL_PARSERS),
             ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS),
+            ("--router-policy", self.router_policy, ROUTER_POLICIES),
         ]:
             if name is not None and name not in known:
                 raise ValueError(f"{flag} must be one of {', '.join(known)}, not {name!r}")

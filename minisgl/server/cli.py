@@ -21,7 +21,7 @@ from minisgl.kvcache import PREFIX_CACHES
 from minisgl.moe import MOE_BACKENDS
 from minisgl.utils import DEFAULT_MODEL_PATH, resolve_model_path
 
-from .args import ServerArgs
+from .args import ROUTER_POLICIES, ServerArgs
 from .launch import launch
 from .limits import RequestLimits
 from .reasoning import REASONING_PARSERS
@@ -32,7 +32,7 @@ API_KEY_ENV = "MINISGL_API_KEY"
 # The options that set a field, with their help: the field of its name (--tp: tp_size) in the one
 # of _TARGETS that has it.
 _TARGETS = (EngineConfig, SchedulerConfig, RequestLimits, ServerArgs)
-_FIELD_NAMES = {"tp": "tp_size"}
+_FIELD_NAMES = {"tp": "tp_size", "dp": "dp_size"}
 _CHOICES = {
     "cache": PREFIX_CACHES.choices(),
     "attention_backend": ATTENTION_BACKENDS.choices(),
@@ -40,6 +40,7 @@ _CHOICES = {
     "log_level": ["debug", "info", "warning", "error"],
     "tool_call_parser": sorted(TOOL_PARSERS),
     "reasoning_parser": sorted(REASONING_PARSERS),
+    "router_policy": list(ROUTER_POLICIES),
 }
 _HELP = {
     "host": "address to listen on",
@@ -53,6 +54,10 @@ _HELP = {
     "their scheduler ranks",
     "dist_init_addr": "HOST:PORT of node 0 where the ranks meet (torch.distributed over TCP; "
     "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME pick the network interface)",
+    "dp": "data-parallel replicas, each a whole server on a port, GPUs and CPU cores of its own, "
+    "behind sglang-router on --host/--port (pip install 'minisgl[router]')",
+    "router_policy": "how sglang-router picks a replica for a request (with --dp); cache_aware: "
+    "the one that served the longest prefix of its prompt, unless the loads are far apart",
     "page_size": "tokens per KV cache page",
     "max_running_requests": "requests decoded together at most (KV slots)",
     "max_kv_tokens": "KV cache size in tokens (default: sized from free memory)",

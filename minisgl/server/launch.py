@@ -8,21 +8,31 @@ shell) until SIGINT/SIGTERM or until a child dies.
 Over several machines (--nnodes) each runs a launcher: node 0's starts all of the above but the
 other nodes' ranks, which their own launchers start, and which follow rank 0 until it stops.
 
-On SIGINT or SIGTERM it lets the API server drain (--shutdown-timeout), then stops the rest. The
-children talk over abstract sockets (the TP ranks among themselves over torch.distributed) and die
-with the launcher, however it ends: nothing is left behind. This module imports nothing heavy:
-each child imports only its own entry point.
+With --dp N it starts N such servers, the replicas (r0-scheduler-0, r0-tokenizer, r0-api-server,
+r1-...), each on a free port of 127.0.0.1 and on GPUs and CPU cores of its own (placement.py),
+then sglang-router in front of them on --host/--port (router.py). A replica that loses a process
+is stopped whole and taken out of the router, and the others serve on; the launcher ends when the
+router or the last replica does.
+
+On SIGINT or SIGTERM it lets the API servers (and the router) drain (--shutdown-timeout), then
+stops the rest. The children talk over abstract sockets (the TP ranks among themselves over
+torch.distributed) and die with the launcher, however it ends: nothing is left behind. This module imports nothing heavy: each child imports only its own
+entry point.
 """
 
+import contextlib
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import resource
 import signal
+import socket
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -32,6 +42,8 @@ from minisgl.messages import Addresses
 from minisgl.utils.process import local_init_method, start_child
 
 from .args import ServerArgs
+from .placement import Placement, placements
+from .router import leave_out
 from .shell import run_shell
 
 _STOP_TIMEOUT_S = 5.0
@@ -48,6 +60,15 @@ def _raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports of 127.0.0.1 (each held until all are found)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 def _base_url(args: ServerArgs) -> str:
     """Where this machine reaches the server."""
     host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(args.host, args.host)
@@ -60,9 +81,16 @@ def _node_ranks(args: ServerArgs) -> range:
     return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
 
 
-def _start(args: ServerArgs, addresses: Addresses, procs: list[BaseProcess]) -> None:
-    """Start every child of this node, adding each to `procs` as it starts (a signal may cut this
+def _start(
+    args: ServerArgs,
+    procs: list[BaseProcess],
+    prefix: str = "",
+    placement: Placement | None = None,
+) -> None:
+    """Start one server's children of this node, their names prefixed with `prefix` and on
+    `placement` (a --dp replica's), adding each to `procs` as it starts (a signal may cut this
     short)."""
+    addresses = Addresses.new()
     if args.dist_init_addr is not None:
         dist_init = f"tcp://{args.dist_init_addr}"
     else:
@@ -80,8 +108,9 @@ def _start(args: ServerArgs, addresses: Addresses, procs: list[BaseProcess]) -> 
         children.append(("tokenizer", "minisgl.tokenizer.worker:run_tokenizer", tokenizer_args))
         api_args = (args, addresses)
         children.append(("api-server", "minisgl.server.api_server:run_api_server", api_args))
+    setup = None if placement is None else placement.apply
     for name, target, target_args in children:
-        procs.append(start_child(name, target, *target_args))
+        procs.append(start_child(prefix + name, target, *target_args, setup=setup))
 
 
 def _follow(args: ServerArgs, procs: list[BaseProcess]) -> int:
@@ -102,6 +131,55 @@ def _follow(args: ServerArgs, procs: list[BaseProcess]) -> int:
     return 1
 
 
+def _start_replicas(
+    args: ServerArgs, replicas: list[list[BaseProcess]], ports: list[int]
+) -> list[str]:
+    """Start the --dp replicas, each on its port and placement, adding each one's processes to
+    `replicas`; their URLs."""
+    urls = []
+    where = placements(args.dp_size, args.engine.tp_size)
+    for i, (port, placement) in enumerate(zip(ports, where, strict=True)):
+        # on 127.0.0.1: only the router (and a local metrics scraper) reaches a replica
+        replica = replace(args, host="127.0.0.1", port=port, dp_size=1)
+        replicas.append([])
+        _start(replica, replicas[i], f"r{i}-", placement)
+        urls.append(_base_url(replica))
+    return urls
+
+
+def _start_data_parallel(
+    args: ServerArgs, replicas: list[list[BaseProcess]], router: list[BaseProcess]
+) -> tuple[list[str], str]:
+    """Start the replicas, then, once each is ready, the router in front of them (adding its
+    process to `router`), until it routes to them all; the replicas' URLs and the router's
+    metrics URL."""
+    *ports, metrics_port = _free_ports(args.dp_size + 1)
+    urls = _start_replicas(args, replicas, ports)
+    for url in urls:
+        _wait_ready(url + "/health", _flat(replicas))
+    router.append(
+        start_child("router", "minisgl.server.router:run_router", args, urls, metrics_port)
+    )
+
+    def all_healthy(body: bytes) -> bool:  # sglang-router's /readiness
+        return json.loads(body)["healthy_workers"] == args.dp_size
+
+    _wait_ready(_base_url(args) + "/readiness", [*_flat(replicas), *router], all_healthy)
+    return urls, _base_url(replace(args, port=metrics_port)) + "/metrics"
+
+
+def _take_out(router_url: str, replica_url: str, api_key: str | None) -> None:
+    try:
+        leave_out(router_url, replica_url, api_key)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"minisgl: the router did not take {replica_url} out ({e}); its health checks "
+              "will", file=sys.stderr)  # fmt: skip
+
+
+def _flat(groups: Iterable[list[BaseProcess]]) -> list[BaseProcess]:
+    return [proc for group in groups for proc in group]
+
+
 def _dead(procs: list[BaseProcess]) -> list[str]:
     """The children that have exited, with their exit codes."""
     dead = []
@@ -112,14 +190,17 @@ def _dead(procs: list[BaseProcess]) -> list[str]:
     return dead
 
 
-def _wait_ready(url: str, procs: list[BaseProcess]) -> None:
-    """Until GET /health answers 200, which the API server does once the engine is ready."""
+def _wait_ready(
+    url: str, procs: list[BaseProcess], ready: Callable[[bytes], bool] = lambda body: True
+) -> None:
+    """Until GET `url` answers 200 with a body that `ready` accepts (an API server's /health
+    answers 200 once its engine is ready); raises if one of `procs` exits first."""
     while True:
         if dead := _dead(procs):
             raise RuntimeError(f"a process exited during start-up: {', '.join(dead)}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as response:
-                if response.status == 200:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200 and ready(response.read()):
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
@@ -127,18 +208,23 @@ def _wait_ready(url: str, procs: list[BaseProcess]) -> None:
 
 
 def _drain(procs: list[BaseProcess], shutdown_timeout: float) -> None:
-    """Let the API server answer what it has (SIGTERM: it drains, then exits)."""
-    api = next((p for p in procs if p.name == "api-server"), None)
-    if api is not None and api.is_alive():
-        api.terminate()
-        api.join(shutdown_timeout + _STOP_TIMEOUT_S)
+    """Let the API servers and the router answer what they have (SIGTERM: they drain, then
+    exit)."""
+    fronts = [p for p in procs if p.name.endswith("api-server") or p.name == "router"]
+    for proc in fronts:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + shutdown_timeout + _STOP_TIMEOUT_S
+    for proc in fronts:
+        proc.join(max(0.0, deadline - time.monotonic()))
 
 
-def _stop(procs: list[BaseProcess]) -> None:
+def _stop(procs: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S) -> None:
+    """SIGTERM, then SIGKILL for those still running `timeout` seconds later."""
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-    deadline = time.monotonic() + _STOP_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
@@ -157,27 +243,36 @@ def launch(args: ServerArgs) -> int:
         signal.signal(signum, on_stop_signal)
     _raise_open_file_limit()  # the children inherit it
     os.environ["MINISGL_LOG_LEVEL"] = args.log_level  # read by the children's loggers
-    procs: list[BaseProcess] = []
+    servers: list[list[BaseProcess]] = []  # the server's processes; with --dp, each replica's
+    router: list[BaseProcess] = []  # with --dp
     url = _base_url(args)
     stopping = False
     start = time.monotonic()
     try:
-        _start(args, Addresses.new(), procs)
-        if args.node_rank > 0:
-            return _follow(args, procs)
-        _wait_ready(url, procs)
+        if args.dp_size == 1:
+            servers.append([])
+            _start(args, servers[0])
+            if args.node_rank > 0:
+                return _follow(args, servers[0])
+            _wait_ready(url + "/health", servers[0])
+            behind, replica_urls = "", []
+        else:
+            replica_urls, metrics = _start_data_parallel(args, servers, router)
+            behind = (
+                f" through sglang-router ({args.router_policy}; its metrics at {metrics}) in "
+                f"front of replicas at {', '.join(replica_urls)}"
+            )
         if args.shell:
             run_shell(url, args.served_model_name, args.api_key)
             return 0
         ready = time.monotonic() - start
         print(
-            f"minisgl: serving {args.served_model_name} at {url}/v1 (ready in {ready:.1f} s)",
+            f"minisgl: serving {args.served_model_name} at {url}/v1{behind} (ready in "
+            f"{ready:.1f} s)",
             file=sys.stderr,
             flush=True,
         )
-        multiprocessing.connection.wait([p.sentinel for p in procs])
-        print(f"minisgl: a process exited: {', '.join(_dead(procs))}", file=sys.stderr)
-        return 1
+        return _serve(servers, router, lambda i: _take_out(url, replica_urls[i], args.api_key))
     except (KeyboardInterrupt, _Stop):
         stopping = True
         return 0
@@ -187,6 +282,34 @@ def launch(args: ServerArgs) -> int:
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
+        procs = [*_flat(servers), *router]
         if stopping:
             _drain(procs, args.shutdown_timeout)
         _stop(procs)
+
+
+def _serve(
+    servers: list[list[BaseProcess]], router: list[BaseProcess], lost: Callable[[int], None]
+) -> int:
+    """Until a process exits; with the router, until it exits or the last replica has. A replica
+    that loses a process is stopped whole, then `lost(its index)`."""
+    live = dict(enumerate(servers))
+    while live:
+        multiprocessing.connection.wait([p.sentinel for p in [*router, *_flat(live.values())]])
+        if not router or _dead(router):
+            print(
+                f"minisgl: a process exited: {', '.join(_dead([*router, *_flat(live.values())]))}",
+                file=sys.stderr,
+            )
+            return 1
+        for i, procs in list(live.items()):
+            if dead := _dead(procs):
+                _stop(procs, timeout=0)  # what is left of it cannot serve
+                del live[i]
+                lost(i)
+                print(
+                    f"minisgl: replica {i} stopped ({', '.join(dead)}); {len(live)} left",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return 1

@@ -2,6 +2,7 @@
 one line instead of in a child after start-up. What only the engine can know (whether the KV
 cache fits in the memory left after the weights) fails in the scheduler process, in one line too."""
 
+import importlib.util
 import socket
 
 import torch
@@ -25,17 +26,28 @@ def check_settings(args: ServerArgs) -> None:
         raise ValueError(f"--device {engine.device}: no CUDA device is available")
     device = resolve_device(engine.device)
     resolve_dtype(engine.dtype, device)
-    if device.type == "cuda" and engine.ranks_per_node > torch.cuda.device_count():
-        raise ValueError(
-            f"--tp {engine.tp_size} over {engine.nnodes} node(s) needs {engine.ranks_per_node} "
-            f"GPUs on each; {torch.cuda.device_count()} found"
-        )
+    if args.dp_size > 1:
+        _check_data_parallel(args)
+    gpus = engine.ranks_per_node * args.dp_size
+    if device.type == "cuda" and gpus > torch.cuda.device_count():
+        flags = f"--tp {engine.tp_size}" + (f" --dp {args.dp_size}" if args.dp_size > 1 else "")
+        where = f" on each of {engine.nnodes} nodes" if engine.nnodes > 1 else ""
+        raise ValueError(f"{flags} needs {gpus} GPU(s){where}; {torch.cuda.device_count()} found")
     ATTENTION_BACKENDS.resolve(engine.attention_backend, device.type)
     MOE_BACKENDS.resolve(engine.moe_backend, device.type)
     PREFIX_CACHES.resolve(args.scheduler.cache, device.type)
     _check_model(args)
     if args.node_rank == 0:  # the others serve no API
         _check_port_free(args.host, args.port)
+
+
+def _check_data_parallel(args: ServerArgs) -> None:
+    if importlib.util.find_spec("sglang_router") is None:
+        raise ValueError("--dp needs sglang-router: pip install 'minisgl[router]'")
+    if ":" in args.engine.device:
+        raise ValueError("--dp gives each replica GPUs of its own: --device cuda, not one GPU")
+    if args.engine.nnodes > 1:
+        raise ValueError("--dp runs its replicas on this machine: not with --nnodes")
 
 
 def _check_model(args: ServerArgs) -> None:

@@ -122,6 +122,11 @@ class _GenerateRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # SGLang's own fields, which sglang-router writes into every request it forwards (--dp):
+    # accepted with the value that is what minisgl does, refused with any other
+    no_stop_trim: Literal[False] = False
+    skip_special_tokens: Literal[True] = True
+    return_hidden_states: Literal[False] = False
 
     @property
     def include_usage(self) -> bool:
@@ -330,6 +335,11 @@ class ChatCompletionRequest(_GenerateRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: True, as OpenAI's
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables
+    # SGLang's, as in _GenerateRequest: the reply is the model's next message, with any
+    # reasoning streamed apart from its content (by --reasoning-parser)
+    continue_final_message: Literal[False] = False
+    separate_reasoning: Literal[True] = True
+    stream_reasoning: Literal[True] = True
 
     def sampling_params(self) -> SamplingParams:
         """An omitted max_tokens means the rest of the context; a given one must fit in it (the

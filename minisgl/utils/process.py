@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -19,10 +20,13 @@ from minisgl.config import ConfigError
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
-def start_child(name: str, target: str, *args: Any) -> BaseProcess:
-    """A new process (spawned: it may use CUDA) running `target` ("module:function") on `args`."""
+def start_child(
+    name: str, target: str, *args: Any, setup: Callable[[], None] | None = None
+) -> BaseProcess:
+    """A new process (spawned: it may use CUDA) running `target` ("module:function") on `args`,
+    after `setup()` (where it runs: a --dp replica's devices and cores) if given."""
     proc = multiprocessing.get_context("spawn").Process(
-        target=_child_main, args=(name, os.getpid(), target, *args), name=name, daemon=True
+        target=_child_main, args=(name, os.getpid(), setup, target, *args), name=name, daemon=True
     )
     proc.start()
     return proc
@@ -35,11 +39,15 @@ def local_init_method() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def _child_main(name: str, parent: int, target: str, *args: Any) -> None:
+def _child_main(
+    name: str, parent: int, setup: Callable[[], None] | None, target: str, *args: Any
+) -> None:
     """Every child: named `name` in `ps` and /proc (comm), ignoring the terminal's Ctrl-C and
     hang-up (its parent stops it), dying with its parent even if that is killed outright; then
     the entry point `target`. A bad setting only the child can find (ConfigError) ends it with
     one line; an error in any of its threads ends it."""
+    if setup is not None:
+        setup()
     for signum in (signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     if sys.platform == "linux":

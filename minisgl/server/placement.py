@@ -1,0 +1,36 @@
+"""Where each --dp replica runs: on GPUs of its own and on a share of the CPU cores."""
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A replica's GPUs (the CUDA_VISIBLE_DEVICES its processes see) and CPU cores."""
+
+    gpus: str
+    cpus: frozenset[int]
+
+    def apply(self) -> None:
+        """In each of the replica's processes, before torch is imported (CUDA reads the variable
+        once); its scheduler then takes a torch thread per core it has."""
+        os.environ["CUDA_VISIBLE_DEVICES"] = self.gpus
+        os.sched_setaffinity(0, self.cpus)
+
+
+def placements(dp_size: int, tp_size: int) -> list[Placement]:
+    """Replica i's: GPUs i*tp .. i*tp+tp-1 of those visible, and the i-th share of this process's
+    CPU cores (all of them, with fewer cores than replicas). Replicas sharing the cores would each
+    run a torch thread per core: more threads than cores, which then wait on each other at every
+    parallel section (on 2 cores, 10x slower requests)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(g) for g in range(dp_size * tp_size)]
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // dp_size
+    return [
+        Placement(
+            ",".join(gpus[i * tp_size : (i + 1) * tp_size]),
+            frozenset(cpus[i * share : (i + 1) * share] if share else cpus),
+        )
+        for i in range(dp_size)
+    ]

@@ -1,0 +1,61 @@
+"""sglang-router (SGLang's router, a Rust binary on PyPI) in front of the --dp replicas: the router
+process's entry point, with its settings from the server's, and the one call the launcher makes
+on it, when a replica has died.
+
+The router calls on each replica what it calls on an SGLang worker: /health (at start, then every
+_HEALTH_INTERVAL_S; a replica failing _HEALTH_FAILURES checks in a row gets no more requests),
+/server_info and /model_info (worker_info.py). A request whose replica cannot be reached or
+answers 408, 429, 500, 502, 503 or 504 is tried again (5 attempts in all, within about half a
+second) on the replica the policy then picks, which may be the same one: a replica that died is
+taken out at once (leave_out) rather than by the health checks, seconds later. A stream that
+broke off is not tried again."""
+
+import json
+import urllib.request
+
+from .args import ServerArgs
+
+_HEALTH_INTERVAL_S = 2
+_HEALTH_FAILURES = 2
+
+
+def run_router(args: ServerArgs, replica_urls: list[str], metrics_port: int) -> None:
+    """The process entry point: the router on the server's host and port, with its API key (which
+    it checks on each request and sends to the replicas, which check it too); serves until
+    SIGTERM, then drains."""
+    from sglang_router.launch_router import RouterArgs, launch_router  # the launcher needs none
+
+    launch_router(
+        RouterArgs(
+            worker_urls=replica_urls,
+            host=args.host,
+            port=args.port,
+            policy=args.router_policy,
+            api_key=args.api_key,
+            prometheus_host=args.host,
+            prometheus_port=metrics_port,
+            # the launcher starts the router once every replica answers /health: its first
+            # check finds them ready, and a later one need not wait the default 30 s
+            worker_startup_check_interval=1,
+            health_check_interval_secs=_HEALTH_INTERVAL_S,
+            health_failure_threshold=_HEALTH_FAILURES,
+            # the replicas drain within --shutdown-timeout; the router waits for their answers
+            shutdown_grace_period_secs=int(args.shutdown_timeout) + 1,
+            log_level={"warning": "warn"}.get(args.log_level, args.log_level),
+        )
+    )
+
+
+def leave_out(router_url: str, replica_url: str, api_key: str | None) -> None:
+    """Have the router send no more requests to the replica at `replica_url`; raises OSError
+    if the router cannot be asked."""
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    listing = urllib.request.Request(router_url + "/workers", headers=headers)
+    with urllib.request.urlopen(listing, timeout=5) as response:
+        workers = json.load(response)["workers"]
+    for worker in workers:
+        if worker["url"] == replica_url:
+            removal = urllib.request.Request(
+                f"{router_url}/workers/{worker['id']}", headers=headers, method="DELETE"
+            )
+            urllib.request.urlopen(removal, timeout=5).close()

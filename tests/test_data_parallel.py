@@ -1,0 +1,231 @@
+"""--dp: replicas behind the real sglang-router, as real processes (`python -m minisgl --dp 2`)
+driven by real clients (`openai`, httpx): concurrent load reaches every replica, the router reads
+what it needs from each, its cache-aware policy keeps a prompt prefix on one replica (a higher
+prefix-cache hit rate than round robin), and a killed replica fails only its own streams in
+flight while the others serve on."""
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import string
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from minisgl.utils import DEFAULT_MODEL_PATH
+
+from .server_process import ServerProcess, read_metrics, wait_for
+
+MODEL = "stories"
+API_KEY = "dp-key"
+SERVED = 'minisgl_requests_total{finish_reason="length"}'
+PROMPT_TOKENS = "minisgl_prompt_tokens_total"
+CACHED_TOKENS = "minisgl_cached_prompt_tokens_total"
+
+
+def _start(tmp_path: Path, *options: str, **kwargs) -> ServerProcess:
+    return ServerProcess(tmp_path, "--dp", "2", "--served-model-name", MODEL, *options, **kwargs)
+
+
+def _replica_urls(server: ServerProcess) -> list[str]:
+    """The replicas, as the launcher's ready line names them (replica 0 first)."""
+    found = re.search(r"in front of replicas at (.*) \(ready in", server.log())
+    assert found is not None, server.log()
+    return found.group(1).split(", ")
+
+
+def _replica_metrics(server: ServerProcess, name: str) -> list[float]:
+    return [read_metrics(url, server.headers).get(name, 0.0) for url in _replica_urls(server)]
+
+
+def _text(rng: random.Random, words: int) -> str:
+    """Random words: no two texts share more than a few characters of prefix."""
+    return " ".join(
+        "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(words)
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    s = _start(tmp_path_factory.mktemp("dp"), "--max-kv-tokens", "8192", api_key=API_KEY)
+    yield s
+    s.stop(signal.SIGINT)  # a terminal's Ctrl-C reaches the router too
+
+
+def test_64_concurrent_clients_are_served_by_both_replicas(server: ServerProcess) -> None:
+    rng = random.Random(0)
+    prompts = [_text(rng, 6) for _ in range(64)]  # unrelated: the policy spreads them
+    before = _replica_metrics(server, SERVED)
+
+    async def ask(client, i: int) -> int:
+        kwargs = dict(model=MODEL, prompt=prompts[i], max_tokens=8, extra_body={"ignore_eos": True})
+        if i % 2 == 0:
+            return (await client.completions.create(**kwargs)).usage.completion_tokens
+        stream = await client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+        return [chunk.usage async for chunk in stream if chunk.usage][-1].completion_tokens
+
+    async def run() -> list[int]:
+        client = server.async_client(max_retries=0, timeout=120)
+        return await asyncio.gather(*(ask(client, i) for i in range(64)))
+
+    assert asyncio.run(run()) == [8] * 64
+    served = [b - a for a, b in zip(before, _replica_metrics(server, SERVED), strict=True)]
+    assert sum(served) == 64 and min(served) > 0, served
+
+
+def test_the_router_reads_model_and_settings_from_each_replica(server: ServerProcess) -> None:
+    """/health is open (the router's health checks send no key); /model_info and /server_info
+    need the key, which the router sends; it serves the replicas' model name and loads its
+    tokenizer from their model path."""
+    for url in _replica_urls(server):
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/model_info").status_code == 401
+        model = httpx.get(url + "/model_info", headers=server.headers).json()
+        assert model["model_path"] == model["tokenizer_path"] == str(DEFAULT_MODEL_PATH)
+        assert model["is_generation"] and model["architectures"] == ["LlamaForCausalLM"]
+        info = httpx.get(url + "/server_info", headers=server.headers)
+        assert info.json()["served_model_name"] == MODEL and info.json()["dp_size"] == 1
+        assert API_KEY not in info.text
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 1}
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401  # the router's
+    models = httpx.get(server.url + "/v1/models", headers=server.headers).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    tokenizers = httpx.get(server.url + "/v1/tokenizers", headers=server.headers).json()
+    [tokenizer] = tokenizers["tokenizers"]
+    assert tokenizer["name"] == MODEL and tokenizer["source"] == str(DEFAULT_MODEL_PATH)
+
+
+# 4 sessions, each a long prefix of its own (~230 tokens) and 16 questions after it, one at a
+# time; each replica's KV pool holds two such prefixes and little more
+SESSIONS, QUESTIONS, PREFIX_WORDS = 4, 16, 40
+SMALL_POOL = ("--max-kv-tokens", "560", "--max-model-len", "512")
+
+
+def _prefix_hit_rate(tmp_path: Path, policy: str) -> float:
+    """The share of prompt tokens found in the replicas' prefix caches, over the sessions run at
+    once on fresh replicas behind `policy`."""
+    rng = random.Random(1)
+    prefixes = [_text(rng, PREFIX_WORDS) for _ in range(SESSIONS)]
+    sessions = [[f"{p}\n{_text(rng, 2)}" for _ in range(QUESTIONS)] for p in prefixes]
+    (tmp_path / policy).mkdir()
+    server = _start(tmp_path / policy, "--router-policy", policy, *SMALL_POOL)
+
+    async def session(client, prompts: list[str], think: random.Random) -> None:
+        for prompt in prompts:
+            # 8 tokens: the sessions' first requests overlap, which the cache-aware policy
+            # needs to tell the replicas apart (on equal loads it picks the same one)
+            await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=8, extra_body={"ignore_eos": True}
+            )
+            # sessions in lockstep would take turns in a fixed order, which round robin would
+            # map onto the replicas one session to one replica, as the cache-aware policy does
+            await asyncio.sleep(think.uniform(0, 0.1))
+
+    async def run() -> None:
+        client = server.async_client(max_retries=0, timeout=120)
+        think = random.Random(3)
+        await asyncio.gather(*(session(client, prompts, think) for prompts in sessions))
+
+    try:
+        asyncio.run(run())
+        prompt_tokens = sum(_replica_metrics(server, PROMPT_TOKENS))
+        cached = sum(_replica_metrics(server, CACHED_TOKENS))
+    finally:
+        server.stop()
+    return cached / prompt_tokens
+
+
+def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(tmp_path: Path) -> None:
+    """Measured on 2 cores: cache_aware 0.90 in every run (each replica serves two sessions,
+    whose prefixes its pool holds), round_robin 0.39-0.54 (each replica serves every session,
+    and its pool keeps evicting one prefix for another)."""
+    cache_aware = _prefix_hit_rate(tmp_path, "cache_aware")
+    round_robin = _prefix_hit_rate(tmp_path, "round_robin")
+    print(f"prefix-cache hit rate: cache_aware {cache_aware:.3f}, round_robin {round_robin:.3f}")
+    assert cache_aware > 0.8 and cache_aware - round_robin > 0.2, (cache_aware, round_robin)
+
+
+STREAMS, AT_ONCE, STREAM_TOKENS = 16, 8, 512
+FIRST_TOKENS = "minisgl_time_to_first_token_seconds_count"
+ENDED = "minisgl_requests_total"
+
+
+def test_a_killed_replica_fails_only_its_streams_in_flight(tmp_path: Path) -> None:
+    """Replica 1 is SIGKILLed (every process of it) once a quarter of the streams have ended and
+    it is sending some: those it had not sent to the end break off; every other stream, before
+    and after, completes through the router, which stops sending to it. The launcher serves on,
+    and stops cleanly."""
+    server = _start(tmp_path, "--max-kv-tokens", "8192")
+    alive, dead = _replica_urls(server)
+    rng = random.Random(2)
+    prompts = [_text(rng, 6) for _ in range(STREAMS)]
+    started: dict[int, float] = {}
+    ended: dict[int, tuple[float, Exception | None]] = {}
+
+    async def stream(http: httpx.AsyncClient, i: int, slots: asyncio.Semaphore) -> None:
+        body = {
+            "model": MODEL, "prompt": prompts[i], "max_tokens": STREAM_TOKENS, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True,
+        }  # fmt: skip
+        async with slots:
+            started[i] = time.monotonic()
+            try:
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    assert response.status_code == 200, await response.aread()
+                    events = [line async for line in response.aiter_lines() if line]
+                assert events[-1] == "data: [DONE]", events[-1]
+                usage = json.loads(events[-2].removeprefix("data: "))["usage"]
+                assert usage["completion_tokens"] == STREAM_TOKENS
+                ended[i] = (time.monotonic(), None)
+            except Exception as e:
+                ended[i] = (time.monotonic(), e)
+
+    def streaming(url: str) -> float:
+        """Streams the replica has sent a first token of and not ended, as its API server
+        counts them."""
+        m = read_metrics(url)
+        return m[FIRST_TOKENS] - sum(v for k, v in m.items() if k.startswith(ENDED))
+
+    async def kill_replica_1() -> float:
+        while len(ended) < STREAMS // 4 or not await asyncio.to_thread(streaming, dead):
+            assert len(ended) < STREAMS, "replica 1 sent no stream after the first quarter"
+            await asyncio.sleep(0.02)
+        replica_1 = [p for p in server.children if Path(f"/proc/{p}/comm").read_text()[:3] == "r1-"]
+        for pid in replica_1:
+            with contextlib.suppress(ProcessLookupError):  # the launcher stops the rest itself
+                os.kill(pid, signal.SIGKILL)
+        return time.monotonic()
+
+    async def run() -> float:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            slots = asyncio.Semaphore(AT_ONCE)
+            killed = asyncio.create_task(kill_replica_1())
+            await asyncio.gather(*(stream(http, i, slots) for i in range(STREAMS)))
+            return await killed
+
+    try:
+        kill = asyncio.run(run())
+        failed = {i for i, (_, error) in ended.items() if error is not None}
+        in_flight = {i for i, t in started.items() if t < kill < ended[i][0]}
+        assert failed <= in_flight, {i: ended[i][1] for i in failed - in_flight}
+        print(f"{len(failed)} of the {len(in_flight)} streams in flight at the kill broke off")
+        wait_for(lambda: _router_workers(server) == [alive], 30, "the router still has replica 1")
+        assert server.proc.poll() is None and "minisgl: replica 1 stopped" in server.log()
+    except BaseException:
+        server.kill()
+        raise
+    server.stop()
+
+
+def _router_workers(server: ServerProcess) -> list[str]:
+    """The replicas the router routes to."""
+    listing = httpx.get(server.url + "/workers", headers=server.headers, timeout=10).json()
+    return [w["url"] for w in listing["workers"] if w["is_healthy"]]
