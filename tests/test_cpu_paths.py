@@ -1,11 +1,14 @@
 """The CPU's fast paths give the reference's tokens in fp32: batched attention (the CPU default)
-against the torch backend."""
+against the torch backend, and oneDNN's packed matmuls against F.linear."""
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
+from minisgl.kernel import linear, onednn
 
-from .conftest import DEVICE
+from .conftest import DEVICE, assert_same_or_near_tie, hf_model
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's own paths")
 
@@ -44,3 +47,41 @@ def test_batched_attention_gives_the_torch_backends_tokens(model_path, options) 
     cuda_graph_max_bs the graph runner's padded static batches run (uncaptured on the CPU)."""
     want = generate(model_path, attention_backend="torch", **options)
     assert generate(model_path, attention_backend="batched", **options) == want
+
+
+def test_onednn_matmuls_give_the_reference_tokens(model_path, monkeypatch) -> None:
+    """Packed oneDNN matmuls against F.linear everywhere (MINISGL_CPU_MATMUL=torch): the sums
+    are ordered differently, so a difference may only be a near-tie in Hugging Face's logits."""
+    got = generate(model_path)
+    monkeypatch.setenv("MINISGL_CPU_MATMUL", "torch")
+    want = generate(model_path)
+    if got != want:
+        hf = hf_model(model_path)
+        for prompt, g, w in zip(prompts(), got, want, strict=True):
+            assert_same_or_near_tie(hf, prompt, g, w)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_takes_packed_onednn_above_its_size_and_f_linear_below(dtype) -> None:
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no native bf16")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(1024, 512, dtype=dtype), torch.randn(1024, dtype=dtype)
+    packed = onednn.pack(weight)
+    assert packed is not None
+    small, large = torch.randn(1, 512, dtype=dtype), torch.randn(33, 512, dtype=dtype)
+    assert small.shape[0] * weight.numel() < onednn.MIN_MACS <= large.shape[0] * weight.numel()
+    assert torch.equal(linear(small, weight, bias, packed), F.linear(small, weight, bias))
+    tol = {torch.float32: 1e-4, torch.bfloat16: 0.5}[dtype]  # sums of 512 products near 20
+    got = linear(large, weight, bias, packed)
+    torch.testing.assert_close(got, F.linear(large, weight, bias), atol=tol, rtol=tol)
+    assert torch.equal(got, onednn.linear(large, packed, bias))
+
+
+def test_no_packing_where_the_reference_is_asked_for_or_the_dtype_is_not_served(
+    monkeypatch,
+) -> None:
+    assert onednn.pack(torch.randn(8, 8, dtype=torch.float16)) is None
+    monkeypatch.setenv("MINISGL_CPU_MATMUL", "torch")
+    assert onednn.pack(torch.randn(8, 8)) is None
