@@ -1,5 +1,9 @@
 """The CPU's fast paths give the reference's tokens in fp32: batched attention (the CPU default)
-against the torch backend, and oneDNN's packed matmuls against F.linear."""
+against the torch backend, and oneDNN's packed matmuls against F.linear; freed host memory is
+reused."""
+
+import resource
+import sys
 
 import pytest
 import torch
@@ -7,6 +11,7 @@ import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
 from minisgl.kernel import linear, onednn
+from minisgl.utils.host_memory import keep_freed_memory
 
 from .conftest import DEVICE, assert_same_or_near_tie, hf_model
 
@@ -85,3 +90,16 @@ def test_no_packing_where_the_reference_is_asked_for_or_the_dtype_is_not_served(
     assert onednn.pack(torch.randn(8, 8, dtype=torch.float16)) is None
     monkeypatch.setenv("MINISGL_CPU_MATMUL", "torch")
     assert onednn.pack(torch.randn(8, 8)) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_freed_host_memory_is_reused_without_new_page_faults() -> None:
+    """40 MB blocks, above the largest size glibc would ever serve from its heap by default: it
+    maps each afresh (10,240 pages to fault in). Here the heap settles after a few rounds."""
+    keep_freed_memory()
+    faults = []
+    for _ in range(10):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.empty(10 << 20).fill_(1)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    assert sum(faults[-4:]) < 256, faults
