@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark" / "offline"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark" / "host"))
 import bench
+import bench_cpu
 import bench_decode_step
 import latency
 import prefill
@@ -71,6 +72,13 @@ def test_standard_workload_has_nano_vllm_lengths() -> None:
     assert workload.output_tokens == 133966  # nano-vllm's README reports 133,966 output tokens
 
 
+def test_workload_output_lengths_follow_their_own_range() -> None:
+    workload = make_workload(64, 16, 256, vocab_size=512, output_range=(8, 128))
+    assert min(workload.prompt_lens) >= 16 and max(workload.prompt_lens) <= 256
+    assert min(workload.output_lens) >= 8 and max(workload.output_lens) <= 128
+    assert workload.prompts == make_workload(64, 16, 256, vocab_size=512).prompts
+
+
 def test_workload_ids_fit_a_small_vocabulary() -> None:
     workload = make_workload(8, 10, 20, vocab_size=512)
     assert all(0 <= t < 512 for prompt in workload.prompts for t in prompt)
@@ -97,6 +105,21 @@ def test_bench_reports_the_workload_tokens(checkpoint) -> None:
     )
     assert floor["%_of_floor"] == pytest.approx(100)
     assert result["profile"]["kernels"]
+
+
+def test_cpu_bench_counts_only_each_requests_own_tokens() -> None:
+    """Both engines on the embedded model; HF pads every row to the longest output."""
+    args = ["--model", "embedded", "--num-requests", "3", "--repeats", "1"]
+    args += ["--min-prompt-len", "4", "--max-prompt-len", "12"]
+    args += ["--min-output-len", "2", "--max-output-len", "6"]
+    result = bench_cpu.main(args)
+
+    workload = make_workload(3, 4, 12, vocab_size=512, output_range=(2, 6))
+    ours, hf = result["rows"]
+    assert ours["output_tokens"] == hf["output_tokens"] == workload.output_tokens
+    assert ours["computed_tokens"] == workload.output_tokens
+    assert hf["computed_tokens"] == 3 * max(workload.output_lens)
+    assert result["same_tokens"] == 3  # fp32 greedy on real weights: the same tokens
 
 
 def test_latency_reports_the_requested_tokens(checkpoint) -> None:

@@ -54,16 +54,23 @@ class Workload:
 
 
 def make_workload(
-    num_requests: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0
+    num_requests: int,
+    min_len: int,
+    max_len: int,
+    vocab_size: int,
+    seed: int = 0,
+    output_range: tuple[int, int] | None = None,
 ) -> Workload:
     """nano-vllm's bench workload: all prompts first (length, then ids), then all output lengths,
-    drawn in that order, so seed 0 gives the standard lengths (same stream as `random.seed(0)`)."""
+    drawn in that order, so seed 0 gives the standard lengths (same stream as `random.seed(0)`).
+    output_range: (shortest, longest) output, if not the prompts' range."""
     rng = random.Random(seed)
     prompts = [
         [rng.randint(0, MAX_TOKEN_ID) % vocab_size for _ in range(rng.randint(min_len, max_len))]
         for _ in range(num_requests)
     ]
-    output_lens = [rng.randint(min_len, max_len) for _ in range(num_requests)]
+    min_out, max_out = output_range or (min_len, max_len)
+    output_lens = [rng.randint(min_out, max_out) for _ in range(num_requests)]
     return Workload(prompts, output_lens)
 
 

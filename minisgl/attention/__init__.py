@@ -11,9 +11,10 @@ if TYPE_CHECKING:
 
 
 ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry(
-    "attention backend", auto={"cuda": "triton", "cpu": "torch"}
+    "attention backend", auto={"cuda": "triton", "cpu": "batched"}
 )
 ATTENTION_BACKENDS.register("torch", "minisgl.attention.torch_backend:TorchBackend")
+ATTENTION_BACKENDS.register("batched", "minisgl.attention.batched_backend:BatchedBackend")
 ATTENTION_BACKENDS.register(
     "triton", "minisgl.attention.triton_backend:TritonBackend", runs_on=triton_runs_on
 )

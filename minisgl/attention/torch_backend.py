@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,6 +11,9 @@ from .base import AttentionBackend
 if TYPE_CHECKING:
     from minisgl.engine.context import ForwardBatch
 
+# one request's rows of q and whose keys they attend: (start, end, slot, seq_len)
+Span = tuple[int, int, int, int]
+
 
 class TorchBackend(AttentionBackend):
     """The reference: gathers each request's K/V through the page table and runs SDPA with a causal
@@ -19,14 +23,23 @@ class TorchBackend(AttentionBackend):
     supports_cuda_graph = False
 
     def forward(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
-        k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
         out = torch.empty_like(q)
-        group = q.shape[1] // k_cache.shape[1]
         cu = batch.inputs.cu_seqlens_q.tolist()
-        for i, (slot, seq_len) in enumerate(
-            zip(batch.inputs.slots.tolist(), batch.inputs.seq_lens.tolist(), strict=True)
-        ):
-            start, end = cu[i], cu[i + 1]
+        spans = zip(
+            cu[:-1], cu[1:], batch.inputs.slots.tolist(), batch.inputs.seq_lens.tolist(),
+            strict=True,
+        )  # fmt: skip
+        self.attend_each(q, layer_id, spans, out)
+        return out
+
+    def attend_each(
+        self, q: torch.Tensor, layer_id: int, spans: Iterable[Span], out: torch.Tensor
+    ) -> None:
+        """out[start:end] = attention of q[start:end] over the first seq_len keys of the slot,
+        for each span."""
+        k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
+        group = q.shape[1] // k_cache.shape[1]
+        for start, end, slot, seq_len in spans:
             if start == end:
                 continue
             locs = self.page_table[slot, :seq_len].long()
@@ -35,7 +48,6 @@ class TorchBackend(AttentionBackend):
             values = v_cache[locs].repeat_interleave(group, dim=1).transpose(0, 1)[None]
             query = q[start:end].transpose(0, 1)[None]
             out[start:end] = _causal_sdpa(query, keys, values)[0].transpose(0, 1)
-        return out
 
 
 def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

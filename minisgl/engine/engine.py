@@ -29,6 +29,7 @@ from minisgl.models import CausalLM, ModelConfig, load_model
 from minisgl.moe import MOE_BACKENDS
 from minisgl.utils import init_logger
 from minisgl.utils.hf import cached_load_hf_config
+from minisgl.utils.host_memory import keep_freed_memory
 from minisgl.utils.torch_utils import pack_to_device, resolve_device, resolve_dtype
 
 from .context import ForwardBatch, forward_context, load_inputs
@@ -270,7 +271,7 @@ def _forward_step(
 
 
 def _init_device(config: EngineConfig) -> torch.device:
-    """This rank's device, TP group and CPU threads."""
+    """This rank's device, TP group, and on the CPU its threads and malloc."""
     device = resolve_device(config.device)
     if device.type == "cuda" and config.tp_size > 1:
         device = torch.device("cuda", config.local_rank)
@@ -286,6 +287,7 @@ def _init_device(config: EngineConfig) -> torch.device:
         )
     if device.type == "cpu":
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.ranks_per_node))
+        keep_freed_memory()
     torch.manual_seed(0)  # dummy weights: the same random model in every run
     return device
 

@@ -1,7 +1,8 @@
 """Op dispatch: a Triton kernel for CUDA fp16/bf16 tensors when triton is installed, else the
 PyTorch reference. fp32 takes the reference, which the tests compare with Hugging Face, except for
 two ops that run their kernel on any CUDA tensor: the table reads and writes (exact either way)
-and sampling (an exact argmax; only the kernel writes the host's token table inside a graph).
+and sampling (an exact argmax; only the kernel writes the host's token table inside a graph); and
+for matmuls on the CPU, which take oneDNN with the weight packed at load (`onednn.py`).
 
 `minisgl.kernel.triton` exposes the same functions with the same semantics as `torch_ops`; it is
 imported on first use only, so CPU-only installs never import triton.
@@ -14,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from . import torch_ops
+from . import onednn, torch_ops
 from .torch_ops import DeviceWrites, KVStore, indexing
 
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
@@ -81,10 +82,26 @@ def _gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
     return ops
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; a small decode batch on a GPU takes the Triton GEMV (it streams W faster)."""
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] in the layout the CPU's matmul kernel wants, to pass as `packed` with it;
+    None where no kernel wants one (on a GPU)."""
+    return onednn.pack(weight)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear; a small decode batch on a GPU takes the Triton GEMV (it streams W faster), a
+    large enough matmul on the CPU oneDNN, given the weight packed (`pack_weight`)."""
     ops = _gemv_ops(x, weight)
-    return torch_ops.linear(x, weight, bias) if ops is None else ops.linear(x, weight, bias)
+    if ops is not None:
+        return ops.linear(x, weight, bias)
+    if onednn.serves(x, weight, packed):
+        return onednn.linear(x, packed, bias)
+    return torch_ops.linear(x, weight, bias)
 
 
 def split_k_slices(x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -101,13 +118,18 @@ def split_k_slices(x: torch.Tensor, weight: torch.Tensor) -> int:
     return splits if splits > 1 and k % splits == 0 else 1
 
 
-def linear_split_k(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_split_k(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """x @ weight^T, or, where that is faster, its partial sums over slices of the input features
     as [splits, rows, N], for the one reader that sums them on its way: fused_add_rmsnorm.
     cuBLAS gives a matrix of few output features (o_proj and down_proj) few tiles at a mid-size
-    decode batch, and leaves most SMs idle; slicing K multiplies the tiles."""
+    decode batch, and leaves most SMs idle; slicing K multiplies the tiles. packed: as for
+    `linear`."""
     splits = split_k_slices(x, weight)
-    return linear(x, weight) if splits == 1 else torch_ops.linear_split_k(x, weight, splits)
+    if splits == 1:
+        return linear(x, weight, packed=packed)
+    return torch_ops.linear_split_k(x, weight, splits)
 
 
 def rmsnorm_linear(
@@ -118,6 +140,7 @@ def rmsnorm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     gated: bool = False,
+    packed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """linear(rmsnorm(x + residual)) and the new residual x + residual (x itself when residual
     is None); gated: weight = [W_gate; W_up] and the first result is silu_and_mul of the linear.
@@ -127,9 +150,9 @@ def rmsnorm_linear(
     ops = _gemv_ops(x, weight)
     if ops is None:
         if residual is None:
-            y, residual = linear(rmsnorm(x, norm_weight, eps), weight, bias), x
+            y, residual = linear(rmsnorm(x, norm_weight, eps), weight, bias, packed), x
         else:
-            y = linear(fused_add_rmsnorm(x, residual, norm_weight, eps), weight, bias)
+            y = linear(fused_add_rmsnorm(x, residual, norm_weight, eps), weight, bias, packed)
         return (silu_and_mul(y) if gated else y), residual
     new_residual = (
         None if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -198,6 +221,7 @@ __all__ = [
     "indexing",
     "linear",
     "linear_split_k",
+    "pack_weight",
     "read_tables",
     "rmsnorm",
     "rmsnorm_linear",

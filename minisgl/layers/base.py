@@ -56,6 +56,13 @@ class BaseOP:
         if not _internal and state_dict:
             raise RuntimeError(f"Unexpected keys in state_dict: {list(state_dict.keys())}")
 
+    def pack_weights(self) -> None:
+        """After loading: give each sub-op's weights the layout its kernel wants (oneDNN's
+        packed one on the CPU), kept beside the loaded weights, which the state dict holds."""
+        for _, part in self._parts():
+            if isinstance(part, BaseOP):
+                part.pack_weights()
+
 
 class StateLessOP(BaseOP):
     """An op with no weights (RoPE, the attention layer): its state_dict is always empty."""

@@ -2,7 +2,7 @@ import torch
 
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
 from minisgl.engine.context import current_forward
-from minisgl.kernel import indexing, rmsnorm_linear
+from minisgl.kernel import indexing, pack_weight, rmsnorm_linear
 from minisgl.utils import div_ceil
 
 from .base import BaseOP
@@ -44,6 +44,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         self._tied_embedding = tied_embedding
         if tied_embedding is not None:
             del self.weight
+        self._packed: torch.Tensor | None = None
+
+    def _weight(self) -> torch.Tensor:
+        return self._tied_embedding.weight if self._tied_embedding is not None else self.weight
+
+    def pack_weights(self) -> None:
+        self._packed = pack_weight(self._weight())
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
@@ -59,8 +66,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """Logits of norm(x + residual) for every row."""
-        weight = self._tied_embedding.weight if self._tied_embedding is not None else self.weight
-        logits, _ = rmsnorm_linear(x, residual, norm.weight, norm.eps, weight)
+        logits, _ = rmsnorm_linear(
+            x, residual, norm.weight, norm.eps, self._weight(), packed=self._packed
+        )
         if self._tp_size == 1:
             return logits
         # all_gather stacks ranks along dim 0: [tp * rows, V/tp] -> [rows, tp * V/tp]

@@ -6,7 +6,7 @@ Each computes this rank's shapes from the TP info; the weight loader slices chec
 import torch
 
 from minisgl.distributed import all_reduce, get_tp_info
-from minisgl.kernel import linear, linear_split_k, rmsnorm_linear
+from minisgl.kernel import linear, linear_split_k, pack_weight, rmsnorm_linear
 from minisgl.utils import div_even
 
 from .base import BaseOP
@@ -19,9 +19,13 @@ class _LinearTPImpl(BaseOP):
     def __init__(self, local_isize: int, local_osize: int, has_bias: bool) -> None:
         self.weight = torch.empty(local_osize, local_isize)
         self.bias = torch.empty(local_osize) if has_bias else None
+        self._packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        self._packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self._packed)
 
     def forward_normed(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False
@@ -29,7 +33,9 @@ class _LinearTPImpl(BaseOP):
         """self(norm(x + residual)) and the new residual, x + residual (x when there is none);
         gated: the output is [gate | up] and silu(gate) * up is returned instead. For a tiny
         decode batch on a GPU the norm and the activation run inside the matmul's kernel."""
-        return rmsnorm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias, gated)
+        return rmsnorm_linear(
+            x, residual, norm.weight, norm.eps, self.weight, self.bias, gated, self._packed
+        )
 
 
 class LinearColParallelMerged(_LinearTPImpl):
@@ -74,5 +80,5 @@ class LinearRowParallel(_LinearTPImpl):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._tp_size == 1:
-            return linear_split_k(x, self.weight)
-        return all_reduce(linear(x, self.weight))
+            return linear_split_k(x, self.weight, self._packed)
+        return all_reduce(linear(x, self.weight, packed=self._packed))

@@ -24,7 +24,8 @@ def load_model(
     moe_backend: MoEBackend,
     dummy_weights: bool = False,
 ) -> CausalLM:
-    """Build the model on the meta device (instant, no memory), then stream its weights in."""
+    """Build the model on the meta device (instant, no memory), then stream its weights in and
+    pack those the CPU's matmuls want in a layout of their own."""
     set_rope_device(device)
     with torch.device("meta"), torch_dtype(dtype):
         model = CausalLM(config, moe_backend)
@@ -37,6 +38,7 @@ def load_model(
             weights = tqdm(weights, total=len(expected), desc="loading weights", unit="tensor")
         state = dict(weights)
     model.load_state_dict(state)
+    model.pack_weights()
     return model
 
 

@@ -1,0 +1,105 @@
+"""The CPU's fast paths give the reference's tokens in fp32: batched attention (the CPU default)
+against the torch backend, and oneDNN's packed matmuls against F.linear; freed host memory is
+reused."""
+
+import resource
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl import LLM, SamplingParams
+from minisgl.kernel import linear, onednn
+from minisgl.utils.host_memory import keep_freed_memory
+
+from .conftest import DEVICE, assert_same_or_near_tie, hf_model
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's own paths")
+
+# lengths that mix one-token rows with prompt chunks in a step (chunk_size 48), around page edges
+PROMPT_LENS = [1, 15, 16, 17, 40, 90, 33, 5]
+MAX_TOKENS = [9, 4, 12, 7, 10, 3, 8, 11]
+
+
+@pytest.fixture(scope="module")
+def model_path(checkpoint):
+    return checkpoint("qwen3", max_position_embeddings=256)
+
+
+def prompts() -> list[list[int]]:
+    first = [[(7 * i + n) % 500 for i in range(n)] for n in PROMPT_LENS]
+    # then the first prompt again, and prompts that extend cached ones by one and three tokens
+    return first + [first[0], first[4] + [3], first[5] + [3, 1, 4]]
+
+
+def generate(path, **settings) -> list[list[int]]:
+    ids = prompts()
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    llm = LLM(str(path), device="cpu", dtype="float32", max_kv_tokens=2048, **settings)
+    first = llm.generate(ids[: len(PROMPT_LENS)], params, use_tqdm=False)
+    again = llm.generate(ids[len(PROMPT_LENS) :], params[:3], use_tqdm=False)
+    return [r["token_ids"] for r in first + again]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"page_size": 16}, {"chunk_size": 48}, {"cuda_graph_max_bs": 8}, {"overlap": False}],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default",
+)
+def test_batched_attention_gives_the_torch_backends_tokens(model_path, options) -> None:
+    """Decode rows attend in one call per layer, prompt chunks one request at a time; with
+    cuda_graph_max_bs the graph runner's padded static batches run (uncaptured on the CPU)."""
+    want = generate(model_path, attention_backend="torch", **options)
+    assert generate(model_path, attention_backend="batched", **options) == want
+
+
+def test_onednn_matmuls_give_the_reference_tokens(model_path, monkeypatch) -> None:
+    """Packed oneDNN matmuls against F.linear everywhere (MINISGL_CPU_MATMUL=torch): the sums
+    are ordered differently, so a difference may only be a near-tie in Hugging Face's logits."""
+    got = generate(model_path)
+    monkeypatch.setenv("MINISGL_CPU_MATMUL", "torch")
+    want = generate(model_path)
+    if got != want:
+        hf = hf_model(model_path)
+        for prompt, g, w in zip(prompts(), got, want, strict=True):
+            assert_same_or_near_tie(hf, prompt, g, w)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_takes_packed_onednn_above_its_size_and_f_linear_below(dtype) -> None:
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no native bf16")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(1024, 512, dtype=dtype), torch.randn(1024, dtype=dtype)
+    packed = onednn.pack(weight)
+    assert packed is not None
+    small, large = torch.randn(1, 512, dtype=dtype), torch.randn(33, 512, dtype=dtype)
+    assert small.shape[0] * weight.numel() < onednn.MIN_MACS <= large.shape[0] * weight.numel()
+    assert torch.equal(linear(small, weight, bias, packed), F.linear(small, weight, bias))
+    tol = {torch.float32: 1e-4, torch.bfloat16: 0.5}[dtype]  # sums of 512 products near 20
+    got = linear(large, weight, bias, packed)
+    torch.testing.assert_close(got, F.linear(large, weight, bias), atol=tol, rtol=tol)
+    assert torch.equal(got, onednn.linear(large, packed, bias))
+
+
+def test_no_packing_where_the_reference_is_asked_for_or_the_dtype_is_not_served(
+    monkeypatch,
+) -> None:
+    assert onednn.pack(torch.randn(8, 8, dtype=torch.float16)) is None
+    monkeypatch.setenv("MINISGL_CPU_MATMUL", "torch")
+    assert onednn.pack(torch.randn(8, 8)) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_freed_host_memory_is_reused_without_new_page_faults() -> None:
+    """40 MB blocks, above the largest size glibc would ever serve from its heap by default: it
+    maps each afresh (10,240 pages to fault in). Here the heap settles after a few rounds."""
+    keep_freed_memory()
+    faults = []
+    for _ in range(10):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.empty(10 << 20).fill_(1)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    assert sum(faults[-4:]) < 256, faults
