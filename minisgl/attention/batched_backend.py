@@ -40,7 +40,7 @@ class OneTokenGroup:
 
     rows: torch.Tensor | None  # their rows of q; None: every row of the batch, in order
     entries: torch.Tensor  # [rows, width] int32: flat page-table entries of their keys
-    mask: torch.Tensor  # [rows, 1, 1, width]: 0 for a request's keys, -inf for the padding
+    mask: torch.Tensor  # [rows, 1, 1, width] fp32: 0 for a request's keys, -inf for the padding
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,7 @@ class BatchedBackend(TorchBackend):
         positions = np.arange(seq_lens.max())
         entries = slots[:, None] * self.page_table.shape[1] + positions
         padding = torch.from_numpy(positions[None, :] >= seq_lens[:, None])
-        dtype = self.pool.k_cache(0).dtype
-        mask = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, -torch.inf)
+        mask = torch.zeros(padding.shape).masked_fill_(padding, -torch.inf)
         device = self.page_table.device
         return OneTokenGroup(
             None if rows is None else to_device(torch.from_numpy(rows), device),
@@ -123,13 +122,15 @@ class BatchedBackend(TorchBackend):
     def _attend_one_token(
         self, q: torch.Tensor, layer_id: int, group: OneTokenGroup
     ) -> torch.Tensor:
-        """q: [rows, qo_heads, D], one token of each request. Returns the same shape."""
+        """q: [rows, qo_heads, D], one token of each request. Returns the same shape. In fp32:
+        the CPU's bf16 SDPA took 15 ms for 32 rows where the upcast and fp32 took 5.4 (one
+        thread)."""
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
         locs = self.page_table.view(-1).index_select(0, group.entries.view(-1))
         shape = (*group.entries.shape, *k_cache.shape[1:])  # [rows, width, kv_heads, D]
-        keys = k_cache.index_select(0, locs).view(shape).transpose(1, 2)
-        values = v_cache.index_select(0, locs).view(shape).transpose(1, 2)
+        keys = k_cache.index_select(0, locs).float().view(shape).transpose(1, 2)
+        values = v_cache.index_select(0, locs).float().view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=group.mask, enable_gqa=True
+            q.float().unsqueeze(2), keys, values, attn_mask=group.mask, enable_gqa=True
         )
-        return out.squeeze(2)
+        return out.squeeze(2).to(q.dtype)
