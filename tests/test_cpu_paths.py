@@ -5,11 +5,13 @@ reused."""
 import resource
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
+from minisgl.attention.batched_backend import length_groups
 from minisgl.kernel import linear, onednn
 from minisgl.utils.host_memory import keep_freed_memory
 
@@ -17,9 +19,10 @@ from .conftest import DEVICE, assert_same_or_near_tie, hf_model
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's own paths")
 
-# lengths that mix one-token rows with prompt chunks in a step (chunk_size 48), around page edges
-PROMPT_LENS = [1, 15, 16, 17, 40, 90, 33, 5]
-MAX_TOKENS = [9, 4, 12, 7, 10, 3, 8, 11]
+# lengths that mix one-token rows with prompt chunks in a step (chunk_size 48), around page edges,
+# and long enough apart that decode rows attend in two or more length groups
+PROMPT_LENS = [1, 15, 16, 17, 40, 90, 33, 5, 200, 180]
+MAX_TOKENS = [9, 4, 12, 7, 10, 3, 8, 11, 6, 9]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +55,15 @@ def test_batched_attention_gives_the_torch_backends_tokens(model_path, options) 
     cuda_graph_max_bs the graph runner's padded static batches run (uncaptured on the CPU)."""
     want = generate(model_path, attention_backend="torch", **options)
     assert generate(model_path, attention_backend="batched", **options) == want
+
+
+def test_one_token_rows_split_by_length_only_where_padding_outweighs_a_call() -> None:
+    lens = np.array([300, 290, 280, 40, 35, 30, 30])
+    # one split after the long rows saves 4 * (300 - 40) = 1,040 padded keys
+    assert length_groups(lens, 1000) == [(0, 3), (3, 7)]
+    assert length_groups(lens, 1100) == [(0, 7)]
+    assert length_groups(lens, 1) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 7)]
+    assert length_groups(lens[:1], 1) == [(0, 1)]
 
 
 def test_onednn_matmuls_give_the_reference_tokens(model_path, monkeypatch) -> None:
