@@ -29,6 +29,7 @@ from common import (
     add_engine_args,
     bound_row,
     build_llm,
+    chunk_setting,
     describe_weights,
     floor_row,
     free_device_memory,
@@ -131,11 +132,6 @@ def run_hf_apart(args: argparse.Namespace, workload: Workload, device: torch.dev
     spawn = multiprocessing.get_context("spawn")  # a forked child cannot use CUDA
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
         return pool.submit(run_hf, args, workload, device).result()
-
-
-def chunk_setting(args: argparse.Namespace) -> dict[str, int]:
-    """--chunk-size if given, else the offline API's default."""
-    return {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
 
 
 def run_minisgl(

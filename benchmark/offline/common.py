@@ -272,6 +272,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="also write the results here")
 
 
+def chunk_setting(args: argparse.Namespace) -> dict[str, int]:
+    """--chunk-size if given, else the offline API's default."""
+    return {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+
+
 def build_llm(args: argparse.Namespace, **kwargs: Any) -> LLM:
     """The engine under test, with dummy weights: the values do not change the speed. kwargs:
     more settings, or other values for these."""

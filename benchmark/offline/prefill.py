@@ -13,7 +13,15 @@ import argparse
 import statistics
 from typing import Any
 
-from common import add_engine_args, build_llm, make_workload, print_table, timed, write_json
+from common import (
+    add_engine_args,
+    build_llm,
+    chunk_setting,
+    make_workload,
+    print_table,
+    timed,
+    write_json,
+)
 from roofline import ModelCost, measure_matmul_peak
 
 from minisgl.core import SamplingParams
@@ -40,8 +48,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vocab_size = cached_load_hf_config(args.model).vocab_size
     workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab_size)
     peak = measure_matmul_peak(device, resolve_dtype(args.dtype, device))
-    given = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
-    llm = build_llm(args, **given)
+    llm = build_llm(args, **chunk_setting(args))
     one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     def prefill() -> None:
