@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-prompt-len", type=int, default=256)
     parser.add_argument("--min-output-len", type=int, default=8)
     parser.add_argument("--max-output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (medians)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each (medians)")
     parser.add_argument("--json", help="also write the results here")
     return parser.parse_args(argv)
 

@@ -126,10 +126,15 @@ class BatchedBackend(TorchBackend):
         the CPU's bf16 SDPA took 15 ms for 32 rows where the upcast and fp32 took 5.4 (one
         thread)."""
         k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
+        (rows, width), (kv_heads, head_dim) = group.entries.shape, k_cache.shape[1:]
         locs = self.page_table.view(-1).index_select(0, group.entries.view(-1))
-        shape = (*group.entries.shape, *k_cache.shape[1:])  # [rows, width, kv_heads, D]
-        keys = k_cache.index_select(0, locs).float().view(shape).transpose(1, 2)
-        values = v_cache.index_select(0, locs).float().view(shape).transpose(1, 2)
+        # gathered as [rows, kv_heads, width, D], each (request, head) one run of keys: gather and
+        # SDPA took 10-15 % less than on a strided view of [rows, width, kv_heads, D] (32 rows)
+        heads = torch.arange(kv_heads, dtype=locs.dtype, device=locs.device)
+        head_rows = (locs.view(rows, 1, width) * kv_heads + heads[:, None]).view(-1)
+        shape = (rows, kv_heads, width, head_dim)
+        keys = k_cache.view(-1, head_dim).index_select(0, head_rows).float().view(shape)
+        values = v_cache.view(-1, head_dim).index_select(0, head_rows).float().view(shape)
         out = F.scaled_dot_product_attention(
             q.float().unsqueeze(2), keys, values, attn_mask=group.mask, enable_gqa=True
         )
