@@ -6,7 +6,8 @@
 #   PART: kernels sweep-attention gemv host latency bench bench-hf profile profile-shapes shapes
 #         prefill latency-profile cprofile
 #         ablations pdl baseline tests tests-engine tests-tp serving serving-8b
-#         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all)
+#         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all;
+#         also moe-sweep, the GEMV tiles at one token, and moe-profile)
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
 set -uo pipefail
@@ -69,6 +70,11 @@ moe() {  # moe PART...: the MoE tests on CUDA, bench_moe.py, and latency.py and 
       tests) MINISGL_TEST_DEVICE=cuda step moe_tests 420 python3 -m pytest -q -rf -p no:cacheprovider \
         --durations=10 -k moe tests/test_fused_moe.py tests/test_moe.py tests/test_models.py tests/test_gpu.py ;;
       kernel) step moe_kernel 240 python3 benchmark/kernel/bench_moe.py --json "$OUT/moe_kernel.json" ;;
+      sweep) step moe_sweep 300 python3 benchmark/kernel/bench_moe.py --sweep --tokens 1 2 4 \
+        --json "$OUT/moe_sweep.json" ;;
+      profile)  # one request's steps kernel by kernel, PDL off so that kernel times do not overlap
+        step moe_profile 300 env MINISGL_PDL=0 python3 benchmark/offline/bench.py --skip-hf --profile \
+          --num-requests 1 --min-len 256 --max-len 512 --model $preset --json "$OUT/moe_profile.json" ;;
       latency) step moe_latency 300 python3 benchmark/offline/latency.py --model $preset \
         --json "$OUT/moe_latency.json" ;;
       bench) step moe_bench 540 python3 benchmark/offline/bench.py --skip-hf --model $preset \

@@ -11,6 +11,7 @@ where the GEMVs stop paying is fused_moe's _GEMV_MAX_TOKENS.
 
     python benchmark/kernel/bench_moe.py            # H200
     python benchmark/kernel/bench_moe.py --json out.json
+    python benchmark/kernel/bench_moe.py --sweep      # the GEMV path's tiles at one token
 """
 
 import argparse
@@ -23,7 +24,14 @@ from bench_attention import copy_bandwidth
 from triton.testing import do_bench, do_bench_cudagraph
 
 from minisgl.kernel import moe_route
-from minisgl.kernel.triton.fused_moe import fused_moe, gemv_moe, grouped_moe, grouped_tile
+from minisgl.kernel.triton.fused_moe import (
+    DEFAULT_GEMV_TILES,
+    fused_moe,
+    gemv_moe,
+    grouped_moe,
+    grouped_tile,
+)
+from minisgl.kernel.triton.gemv import GemvConfig
 from minisgl.kernel.triton.moe_align import align_by_expert
 from minisgl.moe.base import Routing
 from minisgl.moe.torch_backend import TorchMoE
@@ -92,11 +100,49 @@ def measure(
     return rows
 
 
+def sweep(weights: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> list[dict]:
+    """The GEMV path at one token, each kernel's tile varied with the other's at its default:
+    microseconds a layer of the pair, and GB/s of the experts' bytes (the k chosen, 3 matrices)."""
+    x = torch.randn(1, HIDDEN, dtype=dtype, device="cuda")
+    routings = []
+    for _ in range(LAYERS):
+        probs, ids = moe_route(torch.randn(1, EXPERTS, device="cuda"), TOP_K, True)
+        routings.append(Routing(probs.to(dtype), ids))
+    nbytes = selected_bytes(routings, dtype)
+    default_gate_up, default_down = DEFAULT_GEMV_TILES
+    gate_ups = [
+        GemvConfig(n, k, w)
+        for n in (2, 4, 8, 16)
+        for k in (256, 512, 1024, 2048)
+        for w in (2, 4, 8)
+    ]
+    downs = [
+        GemvConfig(n, k, w) for n in (2, 4, 8, 16) for k in (128, 256, 512, 1024) for w in (2, 4, 8)
+    ]
+    trials = [("gate_up", t, t, default_down) for t in gate_ups]
+    trials += [("down", t, default_gate_up, t) for t in downs]
+    layers = list(zip(weights, routings, strict=True))
+
+    def run(gate_up: GemvConfig, down: GemvConfig) -> list[torch.Tensor]:
+        return [gemv_moe(x, *w, *r, gate_up=gate_up, down=down) for w, r in layers]
+
+    results = []
+    for kernel, tile, gate_up, down in trials:
+        us = do_bench_cudagraph(lambda: run(gate_up, down)) * 1e3 / LAYERS  # noqa: B023 (called now)
+        results.append({"kernel": kernel, "tile": list(tile), "us_per_layer": us,
+                        "GB/s": nbytes / LAYERS / us / 1e3})  # fmt: skip
+        print(
+            f"sweep {kernel:>8} {tile!s:>44} {us:>7.1f} us/layer {results[-1]['GB/s']:>6.0f} GB/s"
+        )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--json", help="also write every measurement here")
+    parser.add_argument("--sweep", action="store_true", help="the GEMV tiles at one token first")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_moe: no CUDA device, nothing to measure (the kernels need a GPU)")
@@ -106,7 +152,7 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     weights = layer_weights(dtype)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {args.dtype}; {LAYERS} layers")
-    results: list[dict] = []
+    results: list[dict] = sweep(weights, dtype) if args.sweep else []
     for tokens in args.tokens:
         for kernel, us, nbytes in measure(tokens, weights, dtype):
             gbs = None if nbytes is None else nbytes / us / 1e3

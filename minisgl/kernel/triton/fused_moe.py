@@ -39,11 +39,12 @@ class MoETile(NamedTuple):
     num_stages: int
 
 
-# decode: a program per pair (gate/up) or token (down) and a few rows of W, with gemv.py's tiles
-# (bench_gemv.py on an H200): its gated one for the gate/up rows, and its tile for matrices of
-# few output features, whole rows per program, for the down rows of each of a token's experts
-_GEMV_GATE_UP = GemvConfig(8, 512, 4)
-_GEMV_DOWN = GemvConfig(8, 2048, 8)
+# decode: a program per pair (gate/up) or token (down) and a few rows of W. `bench_moe.py
+# --sweep` on an H200, one token at Qwen3-30B-A3B's layer (each kernel's tile varied, the
+# other's fixed): gate/up 28.2-29.3 us the layer at the best tiles, gemv.py's gated (8, 512, 4)
+# among them; down 24.9 us at (4, 1024, 4), a whole expert row of 768 a step, against 29.3 at
+# (8, 512, 4) and 33-64 at smaller steps
+DEFAULT_GEMV_TILES = GemvConfig(8, 512, 4), GemvConfig(4, 1024, 4)  # gate/up, down
 # grouped, by the mean pairs per expert: (up to this many, tile); after vLLM's tuned tiles for
 # 128 experts of 768 on an H200 (its token counts 128, 256, 512 and 1,024 at top-8); block_n
 # counts W rows, so the gate/up kernel's two accumulators take half each
@@ -69,7 +70,8 @@ def _moe_gemv_gate_up_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_h,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # h[pair, n] for BLOCK_N // 2 features n: rows gate_n and up_n (N rows below) alternate
+    # h[pair, n] for BLOCK_N // 2 features n: rows gate_n and up_n (N rows below) alternate.
+    # Each tile's load is issued before the previous tile's products (two in flight)
     pair = tl.program_id(1)
     r = tl.arange(0, BLOCK_N)
     n = tl.program_id(0) * (BLOCK_N // 2) + r // 2
@@ -79,16 +81,40 @@ def _moe_gemv_gate_up_kernel(
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     w_rows = w_ptr + expert * stride_we + (n + (r % 2) * N)[:, None] * stride_wn
     x_row = x_ptr + (pair // TOP_K) * stride_x
+    w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k_mask = k0 + k < K
-        w = tl.load(w_rows + k0 + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_row + k0 + k, mask=k_mask, other=0.0)
+        w_next = tl.load(
+            w_rows + k0 + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        x = tl.load(x_row + k0 - BLOCK_K + k)  # a tile before the last is whole
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = w_next
+    last = (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K
+    x = tl.load(x_row + last + k, mask=last + k < K, other=0.0)
+    acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     gate, up = tl.split(tl.reshape(tl.sum(acc, 1), [BLOCK_N // 2, 2]))
     first = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     out = _silu_and_mul(gate, up, h_ptr.dtype.element_ty)
     tl.store(h_ptr + pair * stride_h + first, out, mask=first < N)
+
+
+@triton.jit
+def _down_tile(
+    h_ptr, w_ptr, ids_ptr, weights_ptr, first_pair, i, steps, n, n_mask, k, K, stride_h,
+    stride_we, stride_wn, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Tile i of a token's down rows end to end: W's rows n of its pair's expert, and the h
+    they multiply, scaled by the pair's routing weight."""
+    pair = first_pair + i // steps
+    k0 = (i % steps) * BLOCK_K
+    k_mask = k0 + k < K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    w_rows = w_ptr + expert * stride_we + n[:, None] * stride_wn
+    w = tl.load(w_rows + k0 + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    h = tl.load(h_ptr + pair * stride_h + k0 + k, mask=k_mask, other=0.0).to(tl.float32)
+    return w, h * tl.load(weights_ptr + pair).to(tl.float32)
 
 
 @triton.jit
@@ -97,26 +123,32 @@ def _moe_gemv_down_kernel(
     stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # out[token, n] for BLOCK_N features n: the sum over the token's k pairs, in fp32
+    # out[token, n] for BLOCK_N features n: one loop over the token's k experts' rows end to end,
+    # each tile's load issued before the previous tile's products, so the next expert's rows are
+    # in flight while one's are summed
     token = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k = tl.arange(0, BLOCK_K)
+    steps = tl.cdiv(K, BLOCK_K)
+    pairs = token * TOP_K
     wait_for_previous(USE_PDL)
-    y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_rows = w_ptr + expert * stride_we + n[:, None] * stride_wn
-        h_row = h_ptr + pair * stride_h
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = k0 + k < K
-            w = tl.load(w_rows + k0 + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            h = tl.load(h_row + k0 + k, mask=k_mask, other=0.0)
-            acc += w.to(tl.float32) * h.to(tl.float32)[None, :]
-        y += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, 1)
-    tl.store(out_ptr + token * stride_out + n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    w, h = _down_tile(
+        h_ptr, w_ptr, ids_ptr, weights_ptr, pairs, 0, steps, n, n_mask, k, K, stride_h,
+        stride_we, stride_wn, BLOCK_K,
+    )  # fmt: skip
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for i in range(1, TOP_K * steps):
+        w_next, h_next = _down_tile(
+            h_ptr, w_ptr, ids_ptr, weights_ptr, pairs, i, steps, n, n_mask, k, K, stride_h,
+            stride_we, stride_wn, BLOCK_K,
+        )  # fmt: skip
+        acc += w.to(tl.float32) * h[None, :]
+        w, h = w_next, h_next
+    acc += w.to(tl.float32) * h[None, :]
+    tl.store(
+        out_ptr + token * stride_out + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_mask
+    )
 
 
 @triton.jit
@@ -202,13 +234,18 @@ def _block_k(block_k: int, k: int, dtype: torch.dtype) -> int:
 
 
 def gemv_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: GemvConfig = DEFAULT_GEMV_TILES[0],
+    down: GemvConfig = DEFAULT_GEMV_TILES[1],
 ) -> torch.Tensor:
     """fused_moe's path for a few tokens: a GEMV per pair, then one per token over its pairs."""
     _check(x, w13, w2, weights, ids)
     (tokens, top_k), (hidden, inter) = ids.shape, w2.shape[1:]
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
-    gate_up, down = _GEMV_GATE_UP, _GEMV_DOWN
     _moe_gemv_gate_up_kernel[(triton.cdiv(inter, gate_up.block_n // 2), tokens * top_k)](
         x, w13, ids, h, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         TOP_K=top_k, BLOCK_N=gate_up.block_n, BLOCK_K=_block_k(gate_up.block_k, hidden, x.dtype),
