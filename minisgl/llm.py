@@ -192,9 +192,7 @@ class _Run:
     def __init__(
         self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams, arrival: float
     ) -> None:
-        self.detok = IncrementalDetokenizer(
-            tokenizer, prompt_ids, params.stop, params.min_tokens, params.include_stop_str_in_output
-        )
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
         self.incremental = bool(params.stop)
         metrics = {"arrival_time": arrival, "first_token_time": None, "finished_time": None}
         self.result: dict[str, Any] = {

@@ -4,6 +4,7 @@ may still become a stop string) and always concatenate to the finished text."""
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from minisgl.core import SamplingParams
 from minisgl.messages import Finished
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.utils import DEFAULT_MODEL_PATH
@@ -22,7 +23,7 @@ def _stream(
     stop: tuple[str, ...] = (),
     prompt: str = "Say:",
 ) -> tuple[list[str], IncrementalDetokenizer]:
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), stop)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(prompt), SamplingParams(stop=stop))
     last = len(ids) - 1
     pieces = [detok.step([t], _finished() if i == last else None)[0] for i, t in enumerate(ids)]
     return pieces, detok
@@ -100,7 +101,9 @@ def test_of_stop_strings_the_one_that_begins_first_wins_and_ends_the_request(
     qwen3: PreTrainedTokenizerBase,
 ) -> None:
     ids = qwen3.encode("one two three four")
-    detok = IncrementalDetokenizer(qwen3, qwen3.encode("Say:"), ("three four", "two t", "xyz"))
+    detok = IncrementalDetokenizer(
+        qwen3, qwen3.encode("Say:"), SamplingParams(stop=("three four", "two t", "xyz"))
+    )
     steps = [detok.step([t]) for t in ids]
     assert detok.text == "one " and detok.matched_stop == "two t"
     # the token that completed it asks for the request to stop, once; later ones add nothing

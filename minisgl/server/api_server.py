@@ -30,6 +30,7 @@ from .errors import ApiError
 from .generation import generate
 from .metrics import Metrics
 from .protocol import (
+    Body,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
@@ -95,8 +96,9 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     if args.api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=args.api_key)
 
-    async def read_body(request: Request) -> bytes:
-        """The body, refused with a 413 past the size limit, before it is all read."""
+    async def read_body(request: Request, schema: type[Body]) -> Body:
+        """The body as `schema`, for the served model once the engine is ready; refused with a 413
+        past the size limit, before it is all read."""
         limit = args.limits.max_request_bytes
         too_large = ApiError(413, f"the request body is over {limit} bytes")
         length = request.headers.get("content-length", "")
@@ -107,7 +109,10 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             body += part
             if len(body) > limit:
                 raise too_large
-        return bytes(body)
+        parsed = parse_body(bytes(body), schema)
+        check_model(parsed.model)
+        engine_limits()
+        return parsed
 
     def engine_limits() -> Ready:
         if client.limits is None:
@@ -170,8 +175,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         """vLLM's shape; answered by the tokenizer process, as the prompts of requests are."""
-        body = parse_body(await read_body(request), TokenizeBody)
-        check_model(body.model)
+        body = await read_body(request, TokenizeBody)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give a prompt or messages")
         messages = None if body.messages is None else [m.as_template_input() for m in body.messages]
@@ -183,17 +187,13 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        body = parse_body(await read_body(request), DetokenizeBody)
-        check_model(body.model)
-        engine_limits()
+        body = await read_body(request, DetokenizeBody)
         answer = await ask(TokenizerQuery(client.new_rids(1)[0], ids=body.tokens))
         return json_response({"prompt": answer.text})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await read_body(request), CompletionRequest)
-        check_model(body.model)
-        engine_limits()
+        body = await read_body(request, CompletionRequest)
         prompts, params = body.prompts(), body.sampling_params()
         args.limits.check(body.n, len(prompts), params.stop)
         choices = choice_params(params, body.n)
@@ -215,9 +215,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_body(await read_body(request), ChatCompletionRequest)
-        check_model(body.model)
-        engine_limits()
+        body = await read_body(request, ChatCompletionRequest)
         params = body.sampling_params()
         args.limits.check(body.n, 1, params.stop)
         fmt = ChatFormat(_reply_parser(args, body))

@@ -53,6 +53,10 @@ class _Stop(Exception):
     """Raised in the launcher by SIGTERM or SIGHUP (SIGINT raises KeyboardInterrupt)."""
 
 
+def _say(text: str) -> None:
+    print(f"minisgl: {text}", file=sys.stderr, flush=True)
+
+
 def _raise_open_file_limit() -> None:
     """Every connection holds a file: take the hard limit, as vLLM and SGLang do."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -116,18 +120,16 @@ def _start(
 def _follow(args: ServerArgs, procs: list[BaseProcess]) -> int:
     """A node past 0: its ranks follow rank 0's until rank 0 stops (0) or one of them fails (1)."""
     ranks = _node_ranks(args)
-    print(
-        f"minisgl: node {args.node_rank} of {args.engine.nnodes} runs TP ranks {ranks.start}-"
-        f"{ranks.stop - 1}, led by rank 0 at {args.dist_init_addr}",
-        file=sys.stderr,
-        flush=True,
+    _say(
+        f"node {args.node_rank} of {args.engine.nnodes} runs TP ranks {ranks.start}-"
+        f"{ranks.stop - 1}, led by rank 0 at {args.dist_init_addr}"
     )
     multiprocessing.connection.wait([p.sentinel for p in procs])
     dead = _dead(procs)
     if all(p.exitcode == 0 for p in procs if p.exitcode is not None):
-        print("minisgl: rank 0 has stopped", file=sys.stderr)
+        _say("rank 0 has stopped")
         return 0
-    print(f"minisgl: a process exited: {', '.join(dead)}", file=sys.stderr)
+    _say(f"a process exited: {', '.join(dead)}")
     return 1
 
 
@@ -172,8 +174,7 @@ def _take_out(router_url: str, replica_url: str, api_key: str | None) -> None:
     try:
         leave_out(router_url, replica_url, api_key)
     except (OSError, ValueError, KeyError) as e:
-        print(f"minisgl: the router did not take {replica_url} out ({e}); its health checks "
-              "will", file=sys.stderr)  # fmt: skip
+        _say(f"the router did not take {replica_url} out ({e}); its health checks will")
 
 
 def _flat(groups: Iterable[list[BaseProcess]]) -> list[BaseProcess]:
@@ -207,27 +208,15 @@ def _wait_ready(
         time.sleep(0.2)
 
 
-def _drain(procs: list[BaseProcess], shutdown_timeout: float) -> None:
-    """Let the API servers and the router answer what they have (SIGTERM: they drain, then
-    exit)."""
-    fronts = [p for p in procs if p.name.endswith("api-server") or p.name == "router"]
-    for proc in fronts:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + shutdown_timeout + _STOP_TIMEOUT_S
-    for proc in fronts:
-        proc.join(max(0.0, deadline - time.monotonic()))
-
-
-def _stop(procs: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S) -> None:
-    """SIGTERM, then SIGKILL for those still running `timeout` seconds later."""
+def _stop(procs: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S, kill: bool = True) -> None:
+    """SIGTERM, then (with `kill`) SIGKILL for those still running `timeout` seconds later."""
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
     deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
+        if kill and proc.is_alive():
             proc.kill()
             proc.join()
 
@@ -266,25 +255,21 @@ def launch(args: ServerArgs) -> int:
             run_shell(url, args.served_model_name, args.api_key)
             return 0
         ready = time.monotonic() - start
-        print(
-            f"minisgl: serving {args.served_model_name} at {url}/v1{behind} (ready in "
-            f"{ready:.1f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"serving {args.served_model_name} at {url}/v1{behind} (ready in {ready:.1f} s)")
         return _serve(servers, router, lambda i: _take_out(url, replica_urls[i], args.api_key))
     except (KeyboardInterrupt, _Stop):
         stopping = True
         return 0
     except RuntimeError as e:
-        print(f"minisgl: {e}", file=sys.stderr)
+        _say(str(e))
         return 1
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         procs = [*_flat(servers), *router]
-        if stopping:
-            _drain(procs, args.shutdown_timeout)
+        if stopping:  # the API servers and the router drain on SIGTERM: they answer what they have
+            fronts = [p for p in procs if p.name.endswith("api-server") or p.name == "router"]
+            _stop(fronts, args.shutdown_timeout + _STOP_TIMEOUT_S, kill=False)
         _stop(procs)
 
 
@@ -297,19 +282,12 @@ def _serve(
     while live:
         multiprocessing.connection.wait([p.sentinel for p in [*router, *_flat(live.values())]])
         if not router or _dead(router):
-            print(
-                f"minisgl: a process exited: {', '.join(_dead([*router, *_flat(live.values())]))}",
-                file=sys.stderr,
-            )
+            _say(f"a process exited: {', '.join(_dead([*router, *_flat(live.values())]))}")
             return 1
         for i, procs in list(live.items()):
             if dead := _dead(procs):
                 _stop(procs, timeout=0)  # what is left of it cannot serve
                 del live[i]
                 lost(i)
-                print(
-                    f"minisgl: replica {i} stopped ({', '.join(dead)}); {len(live)} left",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _say(f"replica {i} stopped ({', '.join(dead)}); {len(live)} left")
     return 1

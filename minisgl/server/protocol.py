@@ -49,7 +49,13 @@ class _Strict(BaseModel):
         return self
 
 
-Body = TypeVar("Body", bound=_Strict)
+class _Body(_Strict):
+    """A request's body; it may name the model it is for."""
+
+    model: str | None = None  # None: the served model
+
+
+Body = TypeVar("Body", bound=_Body)
 
 
 def parse_body(data: bytes, schema: type[Body]) -> Body:
@@ -95,10 +101,17 @@ class StructuredOutputs(_Strict):
     grammar: str | None = None
 
 
-class _GenerateRequest(_Strict):
+# the request fields that are SamplingParams' fields of the same name and meaning
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    "include_stop_str_in_output",
+)  # fmt: skip
+
+
+class _GenerateRequest(_Body):
     """The fields completions and chat share."""
 
-    model: str | None = None  # None: the served model
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[Int64, Field(ge=1)] = 1
@@ -172,25 +185,10 @@ class _GenerateRequest(_Strict):
                 bias = {int(token): value for token, value in self.logit_bias.items()}
             except ValueError:
                 raise ApiError(400, "logit_bias keys must be token ids") from None
-        given: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "seed": self.seed,
-            "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": self.ignore_eos,
-            "max_tokens": max_tokens,
-            "logprobs": logprobs,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "logit_bias": bias,
-            "min_tokens": self.min_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output,
-            "structured": self._structured(),
-        }
+        given: dict[str, Any] = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        given.update(
+            max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias, structured=self._structured()
+        )
         try:
             return SamplingParams(**{k: v for k, v in given.items() if v is not None})
         except ValueError as e:
@@ -312,16 +310,14 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class TokenizeBody(_Strict):
+class TokenizeBody(_Body):
     """POST /tokenize, as vLLM's: a prompt, or messages rendered with the chat template."""
 
-    model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
 
 
-class DetokenizeBody(_Strict):
-    model: str | None = None
+class DetokenizeBody(_Body):
     tokens: list[TokenId]
 
 

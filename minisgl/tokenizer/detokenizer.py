@@ -9,13 +9,16 @@ always concatenate to the final text.
 """
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from transformers import PreTrainedTokenizerBase
 
+from minisgl.core import SamplingParams
 from minisgl.messages import Finished
 
 # prompt tokens decoded with the first output tokens, so a leading space is rendered as in context
 _CONTEXT_TOKENS = 5
+_NO_STOP = SamplingParams()
 
 
 class IncrementalDetokenizer:
@@ -23,17 +26,15 @@ class IncrementalDetokenizer:
         self,
         tokenizer: PreTrainedTokenizerBase,
         prompt_ids: Sequence[int],
-        stop: tuple[str, ...] = (),
-        min_tokens: int = 0,
-        include_stop: bool = False,
+        params: SamplingParams = _NO_STOP,  # read: stop, min_tokens, include_stop_str_in_output
     ) -> None:
         self._tokenizer = tokenizer
-        self._stops = stop
-        self._min_tokens = min_tokens
-        self._include_stop = include_stop
+        self._stops: tuple[str, ...] = params.stop  # type: ignore[assignment]
+        self._min_tokens = params.min_tokens
+        self._include_stop = params.include_stop_str_in_output
         self._searched = 0  # where the search for a stop string may start
         # the longest tail that may still become a stop string: held back until it cannot
-        self._hold = max(map(len, stop), default=1) - 1
+        self._hold = max(map(len, self._stops), default=1) - 1
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])  # only the ids still to be decoded again
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -103,11 +104,6 @@ class IncrementalDetokenizer:
         the tokens up to the one that completed it."""
         if self.matched_stop is None:
             return finish
-        return Finished(
-            rid=finish.rid,
-            reason="stop",
-            matched_stop=self.matched_stop,
-            prompt_tokens=finish.prompt_tokens,
-            completion_tokens=self.num_tokens,
-            cached_tokens=finish.cached_tokens,
+        return replace(
+            finish, reason="stop", matched_stop=self.matched_stop, completion_tokens=self.num_tokens
         )

@@ -118,13 +118,7 @@ class Detokenize:
         """The step's text, and the requests a stop string ended (to stop in the scheduler)."""
         while not self._new.empty():
             rid, ids, params = self._new.get_nowait()
-            self.detoks[rid] = IncrementalDetokenizer(
-                self.tokenizer,
-                ids,
-                params.stop,
-                params.min_tokens,
-                params.include_stop_str_in_output,
-            )
+            self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params)
         ended = {f.rid: f for f in out.finished}
         text = TextOutputs(errors=out.errors, load=out.load)
         if out.logprobs is not None:
