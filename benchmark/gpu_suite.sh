@@ -4,7 +4,7 @@
 #
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
 #   PART: kernels sweep-attention gemv host latency bench bench-hf profile profile-shapes shapes
-#         prefill latency-profile cprofile
+#         prefill prefill-profile latency-profile cprofile
 #         ablations pdl baseline tests tests-engine tests-tp serving serving-8b
 #         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all;
 #         also moe-sweep, the GEMV tiles at one token, and moe-profile)
@@ -111,6 +111,9 @@ for part in "$@"; do
         --model benchmark/presets/llama-3.1-8b --json "$OUT/prefill_llama-3.1-8b.json"
       step prefill_long 300 python3 benchmark/offline/prefill.py --model benchmark/presets/llama-3.1-8b \
         --num-requests 16 --min-len 16384 --max-len 32768 --repeats 3 --json "$OUT/prefill_long.json" ;;
+    prefill-profile)  # the 8k-token Qwen3-0.6B prompt kernel by kernel
+      step prefill_profile 180 python3 benchmark/offline/prefill.py --profile \
+        --json "$OUT/prefill_profile.json" ;;
     latency-profile)
       step latency_profile 240 python3 benchmark/offline/bench.py --skip-hf --profile --num-requests 1 \
         --min-len 256 --max-len 512 ;;

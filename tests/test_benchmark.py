@@ -134,13 +134,14 @@ def test_latency_reports_the_requested_tokens(checkpoint) -> None:
 
 
 def test_prefill_counts_every_prompt_token(checkpoint) -> None:
-    args = ["--model", str(checkpoint("qwen3")), *SMOKE, "--num-requests", "3"]
-    ours, peak = prefill.main(args + ["--min-len", "20", "--max-len", "40", "--repeats", "2"])[
-        "rows"
-    ]
+    args = ["--model", str(checkpoint("qwen3")), *SMOKE, "--num-requests", "3", "--profile"]
+    result = prefill.main(args + ["--min-len", "20", "--max-len", "40", "--repeats", "2"])
+    ours, peak = result["rows"]
     workload = make_workload(3, 20, 40, vocab_size=512)
     assert ours["prompt_tokens"] == peak["prompt_tokens"] == workload.prompt_tokens
     assert ours["MFU_%"] > 0 and peak["MFU_%"] == 100
+    # the last run profiled: its ops, and its steps (the three prompts, one token each)
+    assert result["profile"]["kernels"] and result["profile"]["per_step"]["steps"] >= 1
 
 
 def test_moe_floor_reads_the_experts_one_request_selects(checkpoint) -> None:

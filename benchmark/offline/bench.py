@@ -31,11 +31,13 @@ from common import (
     build_llm,
     chunk_setting,
     describe_weights,
+    device_profiler,
     floor_row,
     free_device_memory,
     make_workload,
     measure_bandwidth,
     model_bytes,
+    print_profile,
     print_table,
     record_experts_per_layer,
     result_row,
@@ -46,7 +48,7 @@ from common import (
 )
 from roofline import ModelCost, measure_matmul_peak, roofline_seconds
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -54,7 +56,6 @@ from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 
 GOAL_SHARE = 0.75  # the issue's goal: 75 % of the floor (about 27,000 tok/s on an H200)
-TOP_KERNELS = 30
 STEP_END = "_sample_kernel"  # the last kernel of a step (it samples the tokens)
 PREFILL_KERNEL = "_extend_kernel"
 
@@ -143,13 +144,12 @@ def run_minisgl(
     warm_up = SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True)
     llm.generate(workload.prompts[:32], warm_up, use_tqdm=False)
     params = sampling_params(workload, args.temperature)
-    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     name = "minisgl (profiled)" if args.profile else "minisgl"
     rows, prof = [], None
     for run in range(args.repeats):
         llm.reset_prefix_cache()  # each run prefills its prompts, as the first did
         if args.profile and run == args.repeats - 1:
-            prof = profile(activities=[activity])
+            prof = device_profiler(device)
         steps_before = llm.scheduler.stats.steps
         with prof or nullcontext(), triton_compiles() as compiles:
             results, seconds = timed(
@@ -166,40 +166,6 @@ def run_minisgl(
         print("timed runs, output tok/s:", ", ".join(f"{r['output_tok_s']:,.0f}" for r in rows))
     median = sorted(rows, key=lambda r: r["seconds"])[len(rows) // 2]
     return llm, median, prof
-
-
-def top_kernels(prof: profile, device: torch.device, seconds: float, steps: int) -> dict[str, Any]:
-    """The kernels (CPU ops on the host) with the most total time, and the time per step."""
-    if device.type == "cuda":
-        events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-        time_us = {e.key: e.self_device_time_total for e in events}
-    else:
-        events = list(prof.key_averages())
-        time_us = {e.key: e.self_cpu_time_total for e in events}
-    busy_us = sum(time_us.values())
-    if busy_us == 0:
-        raise RuntimeError("the profiler recorded no device activity")
-    events.sort(key=lambda e: time_us[e.key], reverse=True)
-    kernels = [
-        {
-            "kernel": e.key if len(e.key) <= 70 else e.key[:67] + "...",
-            "calls": e.count,
-            "total_ms": time_us[e.key] / 1e3,
-            "share_%": 100 * time_us[e.key] / busy_us,
-        }
-        for e in events[:TOP_KERNELS]
-    ]
-    # wall minus busy per step is the time the device waited on the host (scheduling, launches)
-    per_step = {
-        "steps": steps,
-        "wall_ms_per_step": 1e3 * seconds / steps,
-        "busy_ms_per_step": busy_us / 1e3 / steps,
-        "busy_%_of_wall": 100 * busy_us / 1e6 / seconds,
-    }
-    profile_summary = {"kernels": kernels, "per_step": per_step}
-    if device.type == "cuda":
-        profile_summary["steps_by_kind"], profile_summary["idle"] = step_timeline(prof)
-    return profile_summary
 
 
 def step_timeline(prof: profile) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -240,7 +206,7 @@ def step_timeline(prof: profile) -> tuple[list[dict[str, Any]], list[dict[str, A
     ]
     idle = [
         {"kind": kind, "idle before kernel": name[:60], "idle_ms": ms}
-        for (kind, name), ms in idle_before.most_common(TOP_KERNELS // 3)
+        for (kind, name), ms in idle_before.most_common(10)
     ]
     return by_kind, idle
 
@@ -332,13 +298,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     write_json(args.json, payload)  # before the profile summary, which may take a while
     if prof is not None:
-        payload["profile"] = top_kernels(prof, device, ours["seconds"], steps)
-        print()
-        print_table(payload["profile"]["kernels"])
-        print_table([payload["profile"]["per_step"]])
-        if "steps_by_kind" in payload["profile"]:
-            print_table(payload["profile"]["steps_by_kind"])
-            print_table(payload["profile"]["idle"])
+        payload["profile"] = print_profile(prof, device, ours["seconds"], steps)
+        if device.type == "cuda":
+            timeline = dict(zip(("steps_by_kind", "idle"), step_timeline(prof), strict=True))
+            payload["profile"] |= timeline
+            print_table(timeline["steps_by_kind"])
+            print_table(timeline["idle"])
         write_json(args.json, payload)
     return payload
 

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from minisgl.kvcache.pool import KVPool
 from minisgl.llm import LLM
@@ -317,3 +319,49 @@ def record_experts_per_layer(
     del llm
     free_device_memory(device)
     return experts_per_layer
+
+
+TOP_KERNELS = 30
+
+
+def device_profiler(device: torch.device) -> profile:
+    """A profiler of the device's kernels (of the host's ops on a CPU)."""
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    return profile(activities=[activity])
+
+
+def print_profile(
+    prof: profile, device: torch.device, seconds: float, steps: int
+) -> dict[str, Any]:
+    """The kernels (CPU ops on the host) with the most total time, and the time per step,
+    printed and returned."""
+    if device.type == "cuda":
+        events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        time_us = {e.key: e.self_device_time_total for e in events}
+    else:
+        events = list(prof.key_averages())
+        time_us = {e.key: e.self_cpu_time_total for e in events}
+    busy_us = sum(time_us.values())
+    if busy_us == 0:
+        raise RuntimeError("the profiler recorded no device activity")
+    events.sort(key=lambda e: time_us[e.key], reverse=True)
+    kernels = [
+        {
+            "kernel": e.key if len(e.key) <= 70 else e.key[:67] + "...",
+            "calls": e.count,
+            "total_ms": time_us[e.key] / 1e3,
+            "share_%": 100 * time_us[e.key] / busy_us,
+        }
+        for e in events[:TOP_KERNELS]
+    ]
+    # wall minus busy per step is the time the device waited on the host (scheduling, launches)
+    per_step = {
+        "steps": steps,
+        "wall_ms_per_step": 1e3 * seconds / steps,
+        "busy_ms_per_step": busy_us / 1e3 / steps,
+        "busy_%_of_wall": 100 * busy_us / 1e6 / seconds,
+    }
+    print()
+    print_table(kernels)
+    print_table([per_step])
+    return {"kernels": kernels, "per_step": per_step}

@@ -5,19 +5,23 @@ peak measured in the same run, causal attention counted as half the square.
     python benchmark/offline/prefill.py --model benchmark/presets/llama-3.1-8b
     python benchmark/offline/prefill.py --model benchmark/presets/llama-3.1-8b \
         --num-requests 16 --min-len 16384 --max-len 32768      # the long-context row
+    python benchmark/offline/prefill.py --profile              # the last timed run, kernel by kernel
     python benchmark/offline/prefill.py --model TINY --device cpu --dtype float32 \
         --min-len 64 --max-len 64 --repeats 1                  # CPU smoke run
 """
 
 import argparse
 import statistics
+from contextlib import nullcontext
 from typing import Any
 
 from common import (
     add_engine_args,
     build_llm,
     chunk_setting,
+    device_profiler,
     make_workload,
+    print_profile,
     print_table,
     timed,
     write_json,
@@ -39,6 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-len", type=int, default=8192, help="longest prompt")
     parser.add_argument("--chunk-size", type=int, help="prefill tokens per step")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs (the median counts)")
+    parser.add_argument("--profile", action="store_true", help="profile the last timed run")
     return parser.parse_args(argv)
 
 
@@ -56,7 +61,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         llm.generate(workload.prompts, one_token, use_tqdm=False)
 
     prefill()  # warm-up: kernels for these lengths compiled and tuned
-    seconds = statistics.median(timed(prefill, device)[1] for _ in range(args.repeats))
+    runs, prof = [], None
+    for run in range(args.repeats):
+        if args.profile and run == args.repeats - 1:
+            prof = device_profiler(device)
+        steps_before = llm.scheduler.stats.steps
+        with prof or nullcontext():
+            runs.append(timed(prefill, device)[1])
+    seconds = statistics.median(runs)
     cost = ModelCost.of(llm.engine.model_config)
     flops = sum(cost.prefill_flops(p) for p in workload.prompt_lens)
     rows = [
@@ -85,6 +97,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table(rows)
     print(f"aim: {100 * GOAL_MFU:.0f} % MFU")
     payload = {"benchmark": "prefill", "args": vars(args), "flops": flops, "rows": rows}
+    if prof is not None:
+        steps = llm.scheduler.stats.steps - steps_before
+        payload["profile"] = print_profile(prof, device, runs[-1], steps)
     write_json(args.json, payload)
     return payload
 
