@@ -130,8 +130,10 @@ for part in "$@"; do
     tests)  # four workers (the image has pytest-xdist), a module per worker, failures listed last
       MINISGL_TEST_DEVICE=cuda step tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -rf -n 4 --dist loadfile \
         --timeout 300 --durations=10 -p no:cacheprovider tests ;;
-    tests-engine)  # everything but the server processes (--dp's router is no wheel there)
-      MINISGL_TEST_DEVICE=cuda step tests_engine 330 python3 -m pytest -q -x -p no:cacheprovider tests \
+    tests-engine)  # everything but the server processes (--dp's router is no wheel there); ~10 min
+      # in all, so split over calls with TESTS, e.g. TESTS='tests/test_[a-l]*.py', then [m-z]
+      MINISGL_TEST_DEVICE=cuda step tests_engine "${TESTS_LIMIT:-540}" python3 -m pytest -q -rf \
+        -p no:cacheprovider ${TESTS:-tests} \
         --ignore-glob='tests/test_server*' --ignore=tests/test_shell.py --ignore=tests/stress \
         --ignore=tests/test_bench_serving.py --ignore=tests/test_data_parallel.py ;;
     tests-tp)  # TP 2 on two GPUs (NCCL, the all-reduces inside CUDA graphs); on one, the CPU's
