@@ -16,6 +16,7 @@ import bench_cpu
 import bench_decode_step
 import latency
 import prefill
+from collectives import all_reduce_seconds
 from common import floor_bytes, make_workload
 from roofline import ModelCost, roofline_seconds
 
@@ -127,10 +128,19 @@ def test_latency_reports_the_requested_tokens(checkpoint) -> None:
     one = latency.main(args)
     ours, floor = one["rows"]
     assert ours["output_tokens"] == floor["output_tokens"] == 8
-    # over two ranks (LLM(tp_size=2)): the floor is one rank's share of the KV
+    # over two ranks (LLM(tp_size=2)): the floor is one rank's share of the KV, plus its
+    # decode steps' all-reduces, timed over two gloo ranks of their own
     two = latency.main([*args, "--tp", "2"])
     assert two["rows"][0]["output_tokens"] == 8
     assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] // 2
+    assert one["all_reduce_seconds"] == 0 < two["all_reduce_seconds"]
+    floor_s = two["rows"][-1]["ms_per_token"] * 8 / 1e3
+    assert floor_s > two["all_reduce_seconds"]
+
+
+def test_all_reduces_are_timed_per_message_size() -> None:
+    seconds = all_reduce_seconds(2, "cpu", torch.float32, [1, 4096])
+    assert sorted(seconds) == [1, 4096] and all(s > 0 for s in seconds.values())
 
 
 def test_prefill_counts_every_prompt_token(checkpoint) -> None:

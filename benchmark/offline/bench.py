@@ -8,7 +8,7 @@ ignore_eos, temperature 0.6 (nano-vllm's bench), on the Qwen3-0.6B shape with ra
     python benchmark/offline/bench.py --skip-hf --profile      # where the GPU time goes
     python benchmark/offline/bench.py --skip-hf --model benchmark/presets/qwen3-30b-a3b
                                     # MoE: the floor counts the experts each step selects
-    python benchmark/offline/bench.py --skip-hf --tp 2         # two GPUs (floor: one rank's share)
+    python benchmark/offline/bench.py --skip-hf --tp 2         # two GPUs (floor: one rank's share + all-reduces)
     python benchmark/offline/bench.py --model TINY --device cpu --dtype float32 \
         --num-requests 4 --min-len 8 --max-len 16 --skip-hf    # CPU smoke run
 """
@@ -43,6 +43,7 @@ from common import (
     result_row,
     step_weight_bytes,
     timed,
+    tp_all_reduce_seconds,
     triton_compiles,
     write_json,
 )
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab_size)
     bandwidth = measure_bandwidth(device)
     peak = measure_matmul_peak(device, resolve_dtype(args.dtype, device))
+    all_reduce_s = tp_all_reduce_seconds(args, device, workload.output_lens)  # before the ranks
     params = sampling_params(workload, args.temperature)
     experts_per_layer = record_experts_per_layer(
         args, lambda llm: llm.generate(workload.prompts, params, use_tqdm=False),
@@ -246,9 +248,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except Exception as e:  # a failed comparison must not cost the minisgl numbers of this run
             traceback.print_exc()
             hf_error = repr(e)
+    with_all_reduces = f" + all-reduces {all_reduce_s:,.2f} s" if all_reduce_s else ""
     floor = floor_row(
-        f"floor @ {bandwidth / 1e9:,.0f} GB/s", workload, step_bytes, kv_per_token, bandwidth
-    )
+        f"floor @ {bandwidth / 1e9:,.0f} GB/s{with_all_reduces}",
+        workload, step_bytes, kv_per_token, bandwidth, all_reduce_s,
+    )  # fmt: skip
     overlapped_s, serial_s = roofline_seconds(
         workload.prompt_lens,
         workload.output_lens,
@@ -258,8 +262,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bandwidth,
         peak,
     )
-    roofline = bound_row(f"roofline @ {peak / 1e12:,.1f} TFLOP/s", workload, overlapped_s)
-    serial = bound_row("roofline, one kernel at a time", workload, serial_s)
+    roofline = bound_row(
+        f"roofline @ {peak / 1e12:,.1f} TFLOP/s{with_all_reduces}", workload,
+        overlapped_s + all_reduce_s,
+    )  # fmt: skip
+    serial = bound_row("roofline, one kernel at a time", workload, serial_s + all_reduce_s)
     rows = [ours, floor, roofline, serial] + ([hf_row] if hf_row else [])
     for row in rows:
         row["%_of_floor"] = 100 * row["output_tok_s"] / floor["output_tok_s"]
@@ -288,6 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step_weight_bytes": step_bytes,
         "experts_per_layer": experts_per_layer,
         "kv_bytes_per_token": kv_per_token,
+        "all_reduce_seconds": all_reduce_s,
         "prompt_tokens": workload.prompt_tokens,
         "workload_output_tokens": workload.output_tokens,
         "preemptions": preemptions,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from collectives import decode_all_reduce_seconds
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -30,6 +31,7 @@ from minisgl.llm import LLM
 from minisgl.models import ModelConfig
 from minisgl.moe.recorder import recording
 from minisgl.utils.hf import cached_load_hf_config
+from minisgl.utils.torch_utils import resolve_dtype
 
 QWEN3_SHAPE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "qwen3-tokenizer"
 # nano-vllm's bench draws prompt ids below 10000; ids are folded into smaller vocabularies
@@ -190,13 +192,34 @@ def floor_bytes(
 
 
 def floor_row(
-    name: str, workload: Workload, weight_bytes: int, kv_per_token: int, bandwidth: float
+    name: str,
+    workload: Workload,
+    weight_bytes: int,
+    kv_per_token: int,
+    bandwidth: float,
+    all_reduce_s: float = 0.0,
 ) -> Row:
+    """The bandwidth floor, plus under TP the decode steps' all-reduces (`tp_all_reduce_seconds`)."""
     seconds = (
         floor_bytes(workload.prompt_lens, workload.output_lens, weight_bytes, kv_per_token)
         / bandwidth
     )
-    return bound_row(name, workload, seconds)
+    return bound_row(name, workload, seconds + all_reduce_s)
+
+
+def tp_all_reduce_seconds(
+    args: argparse.Namespace, device: torch.device, output_lens: Sequence[int]
+) -> float:
+    """The all-reduces of a run's decode steps at --tp ranks (0 at one), all its requests
+    starting together as the floor has them: step t holds the requests with outputs >= t."""
+    if args.tp == 1:
+        return 0.0
+    mc = ModelConfig.from_hf(cached_load_hf_config(args.model))
+    rows = [sum(o >= step for o in output_lens) for step in range(1, max(output_lens) + 1)]
+    dtype = resolve_dtype(args.dtype, device)
+    return decode_all_reduce_seconds(
+        args.tp, device.type, dtype, mc.hidden_size, mc.num_layers, rows
+    )
 
 
 def bound_row(name: str, workload: Workload, seconds: float) -> Row:

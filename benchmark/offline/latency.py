@@ -4,7 +4,7 @@ experts those its token selects, and its own KV).
 
     python benchmark/offline/latency.py                        # the standard run (H200)
     python benchmark/offline/latency.py --model benchmark/presets/qwen3-30b-a3b   # MoE (H200)
-    python benchmark/offline/latency.py --tp 2                 # two GPUs (floor: one rank's share)
+    python benchmark/offline/latency.py --tp 2                 # two GPUs (floor: one rank's share + all-reduces)
     python benchmark/offline/latency.py --model TINY --device cpu --dtype float32 \
         --prompt-len 16 --output-len 8                         # CPU smoke run
 """
@@ -25,6 +25,7 @@ from common import (
     record_experts_per_layer,
     step_weight_bytes,
     timed,
+    tp_all_reduce_seconds,
     triton_compiles,
     write_json,
 )
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # a fresh prompt for each run, so that no run finds an earlier one in the prefix cache
     prompts = make_workload(1 + args.repeats, args.prompt_len, args.prompt_len, vocab_size).prompts
     bandwidth = measure_bandwidth(device)
+    all_reduce_s = tp_all_reduce_seconds(args, device, [args.output_len])  # before the ranks
     experts_per_layer = record_experts_per_layer(
         args, lambda llm: generate_timed(llm, prompts[0], args.output_len), max_running_requests=1
     )
@@ -115,9 +117,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     weight_bytes, kv_per_token = model_bytes(llm)
     step_bytes = step_weight_bytes(llm, experts_per_layer)
     floor_s = floor_bytes([args.prompt_len], [args.output_len], step_bytes, kv_per_token)
-    floor_s /= bandwidth
+    floor_s = floor_s / bandwidth + all_reduce_s
+    with_all_reduces = (
+        f" + all-reduces {1e6 * all_reduce_s / args.output_len:,.0f} us" if all_reduce_s else ""
+    )
     floor = {
-        "system": f"floor @ {bandwidth / 1e9:,.0f} GB/s",
+        "system": f"floor @ {bandwidth / 1e9:,.0f} GB/s{with_all_reduces}",
         "output_tokens": args.output_len,
         "ttft_ms": None,
         "ms_per_token": 1e3 * floor_s / args.output_len,
@@ -142,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step_weight_bytes": step_bytes,
         "experts_per_layer": experts_per_layer,
         "kv_bytes_per_token": kv_per_token,
+        "all_reduce_seconds": all_reduce_s,
         "rows": rows,
         "goal_decode_tok_s": GOAL_TOK_S,
     }
