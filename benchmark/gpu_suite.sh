@@ -5,7 +5,7 @@
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
 #   PART: kernels sweep-attention gemv host latency bench bench-hf profile profile-shapes shapes
 #         prefill prefill-profile latency-profile cprofile
-#         ablations pdl baseline tests tests-engine tests-tp serving serving-8b
+#         ablations pdl baseline tests tests-engine tests-tp tp2 serving serving-8b
 #         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all;
 #         also moe-sweep, the GEMV tiles at one token, and moe-profile)
 #
@@ -139,6 +139,17 @@ for part in "$@"; do
     tests-tp)  # TP 2 on two GPUs (NCCL, the all-reduces inside CUDA graphs); on one, the CPU's
       MINISGL_TEST_DEVICE=cuda step tests_tp 420 python3 -m pytest -q -rf -p no:cacheprovider \
         tests/test_tp.py tests/test_tp_cuda.py tests/test_server_tp.py ;;
+    tp2)  # issue 29 on two GPUs: the 8B shapes at TP 2 and TP 1 (floors with the all-reduces),
+      # one request at TP 2, and the server at --tp 2 at max concurrency
+      for preset in qwen3-8b llama-3.1-8b; do
+        for tp in 2 1; do
+          step "bench_${preset}_tp$tp" 300 python3 benchmark/offline/bench.py --skip-hf --tp $tp \
+            --model "benchmark/presets/$preset" --json "$OUT/bench_${preset}_tp$tp.json"
+        done
+      done
+      step latency_tp2 240 python3 benchmark/offline/latency.py --tp 2 --model benchmark/presets/qwen3-8b \
+        --json "$OUT/latency_tp2.json"
+      serving serving_tp2 benchmark/presets/qwen3-8b --tp 2 ;;
     serving) serving serving tests/assets/qwen3-tokenizer ;;
     serving-8b) serving serving_8b benchmark/presets/llama-3.1-8b ;;
     moe) moe tests kernel latency bench ;;
