@@ -4,8 +4,9 @@ the weights of the chosen experts only, and apply the SiLU-and-mul inside the ga
 the intermediate is [pairs, inter], never [pairs, 2 * inter]:
 
 - a few tokens (decode): no grouping. The gate/up kernel is a GEMV per pair over its expert's
-  rows (gemv.py's, gate and up rows interleaved); the down kernel runs a token's k experts one
-  after another and sums their weighted outputs in fp32, so it writes [tokens, hidden] itself.
+  rows (gemv.py's, gate and up rows interleaved); the down kernel reads a token's k experts'
+  rows in one loop, each h scaled by its routing weight, summed in fp32, so it writes [tokens,
+  hidden] itself. Both issue each tile's load before the previous tile's products.
 - more tokens: the pairs grouped by expert in blocks (moe_align.py) and a grouped GEMM over the
   blocks, each program one block's rows times one tile of its expert. The gate/up kernel keeps a
   gate and an up accumulator for the same rows; the down kernel multiplies each row by its
