@@ -2,6 +2,7 @@
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -165,6 +166,16 @@ def sample_temperature(
     return inverse_cdf(probs, uniforms, logits.argmax(dim=-1)).to(torch.int32)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax as [bs] int32: the first of equal maxima, a NaN above any number."""
+    # in fp32, the same argmax: the CPU's bf16 argmax took 3.6 ms for 32 x 32,000, fp32's 1.2;
+    # numpy's took 0.07 ms on one thread (torch's 1.2) and 0.08 on two (torch's 8.4)
+    scores = logits.float()
+    if scores.is_cpu:
+        return torch.from_numpy(scores.numpy().argmax(-1).astype(np.int32))
+    return scores.argmax(dim=-1).to(torch.int32)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     token_table: torch.Tensor,
@@ -179,8 +190,7 @@ def sample_tokens(
     (the first on a tie) where temperatures is None or a row's temperature is 0, else
     sample_temperature's draw with the row's uniform number. counters: the Triton kernel's
     scratch, unused here."""
-    # in fp32, the same argmax: the CPU's bf16 argmax took 3.6 ms for 32 x 32,000, fp32's 1.2
-    tokens = logits.float().argmax(dim=-1).to(torch.int32)
+    tokens = greedy_tokens(logits)
     if temperatures is not None:
         assert uniforms is not None
         sampled = temperatures > 0
