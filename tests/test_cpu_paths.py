@@ -130,3 +130,18 @@ def test_greedy_tokens_are_torchs_argmax_with_its_ties_and_nans() -> None:
         assert got.dtype == torch.int32
         assert torch.equal(got, x.float().argmax(dim=-1).to(torch.int32))
     assert torch.equal(torch_ops.greedy_tokens(logits), want)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rope_of_q_and_k_in_one_view_has_the_bits_of_each_apart(rows) -> None:
+    """q and k split from the merged qkv run as one view; copies of them, apart, one by one."""
+    torch.manual_seed(0)
+    head, qkv = 64, torch.randn(rows, 16 * 64)
+    positions, cos_sin = torch.randint(0, 512, (rows,)), torch.randn(512, head)
+    norm = (torch.randn(head), torch.randn(head), 1e-6)
+    q, k, _ = qkv.split([8 * head, 4 * head, 4 * head], dim=-1)
+    assert torch_ops._heads_together(q.view(rows, 8, head), k.view(rows, 4, head)) is not None
+    apart_q, apart_k = q.clone(), k.clone()
+    torch_ops.apply_rope_inplace(positions, q, k, head, cos_sin, norm)
+    torch_ops.apply_rope_inplace(positions, apart_q, apart_k, head, cos_sin, norm)
+    assert torch.equal(q, apart_q) and torch.equal(k, apart_k)

@@ -59,9 +59,20 @@ def apply_rope_inplace(
     """
     cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, D/2]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    weights = (None, None) if qk_norm is None else qk_norm[:2]
-    for t, weight in zip((query, key), weights, strict=True):
-        x = t.view(t.shape[0], -1, head_size)
+    q, k = (t.view(t.shape[0], -1, head_size) for t in (query, key))
+    both = _heads_together(q, k)
+    if both is None:
+        weights = (None, None) if qk_norm is None else qk_norm[:2]
+        parts = list(zip((q, k), weights, strict=True))
+    else:
+        # one op for q's and k's heads at each stage, the same arithmetic on each element
+        weight = None
+        if qk_norm is not None:
+            weight = torch.cat(
+                [w.expand(t.shape[1], -1) for w, t in zip(qk_norm[:2], (q, k), strict=True)]
+            )
+        parts = [(both, weight)]
+    for x, weight in parts:
         if weight is not None:
             rmsnorm(x, weight, qk_norm[2], out=x)
         x1, x2 = x[..., : head_size // 2], x[..., head_size // 2 :]
@@ -71,6 +82,23 @@ def apply_rope_inplace(
         x.copy_(torch.cat([o1, o2], dim=-1))
     if kv_store is not None:
         store_kv(kv_store.k_cache, kv_store.v_cache, kv_store.out_loc, key, kv_store.value)
+
+
+def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q's heads then k's as one [T, Hq + Hk, D] view, where each row of k directly follows q's
+    in memory (the merged qkv split); None elsewhere."""
+    rows, heads, head_size = q.shape
+    size = q.element_size()
+    if (
+        k.shape[0] != rows
+        or k.dtype != q.dtype
+        or q.stride()[1:] != (head_size, 1)
+        or k.stride()[1:] != (head_size, 1)
+        or (rows > 1 and k.stride(0) != q.stride(0))
+        or k.data_ptr() != q.data_ptr() + heads * head_size * size
+    ):
+        return None
+    return q.as_strided((rows, heads + k.shape[1], head_size), q.stride(), q.storage_offset())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
