@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
 from minisgl.attention.batched_backend import length_groups
-from minisgl.kernel import linear, onednn
+from minisgl.kernel import linear, onednn, torch_ops
 from minisgl.utils.host_memory import keep_freed_memory
 
 from .conftest import DEVICE, assert_same_or_near_tie, hf_model
@@ -115,3 +115,33 @@ def test_freed_host_memory_is_reused_without_new_page_faults() -> None:
         torch.empty(10 << 20).fill_(1)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     assert sum(faults[-4:]) < 256, faults
+
+
+def test_greedy_tokens_are_torchs_argmax_with_its_ties_and_nans() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000)
+    logits[1, [3, 700]] = 9.0  # a tie: the first
+    logits[2, [5, 9]] = torch.nan  # NaN above any number: the first NaN
+    logits[3] = -torch.inf
+    logits[4, 10] = torch.inf
+    want = logits.argmax(dim=-1).to(torch.int32)
+    for x in (logits, logits.bfloat16()):
+        got = torch_ops.greedy_tokens(x)
+        assert got.dtype == torch.int32
+        assert torch.equal(got, x.float().argmax(dim=-1).to(torch.int32))
+    assert torch.equal(torch_ops.greedy_tokens(logits), want)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rope_of_q_and_k_in_one_view_has_the_bits_of_each_apart(rows) -> None:
+    """q and k split from the merged qkv run as one view; copies of them, apart, one by one."""
+    torch.manual_seed(0)
+    head, qkv = 64, torch.randn(rows, 16 * 64)
+    positions, cos_sin = torch.randint(0, 512, (rows,)), torch.randn(512, head)
+    norm = (torch.randn(head), torch.randn(head), 1e-6)
+    q, k, _ = qkv.split([8 * head, 4 * head, 4 * head], dim=-1)
+    assert torch_ops._heads_together(q.view(rows, 8, head), k.view(rows, 4, head)) is not None
+    apart_q, apart_k = q.clone(), k.clone()
+    torch_ops.apply_rope_inplace(positions, q, k, head, cos_sin, norm)
+    torch_ops.apply_rope_inplace(positions, apart_q, apart_k, head, cos_sin, norm)
+    assert torch.equal(q, apart_q) and torch.equal(k, apart_k)
