@@ -2,8 +2,10 @@
 against the torch backend, and oneDNN's packed matmuls against F.linear; freed host memory is
 reused."""
 
+import os
 import resource
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from minisgl import LLM, SamplingParams
 from minisgl.attention.batched_backend import length_groups
 from minisgl.kernel import linear, onednn, torch_ops
+from minisgl.utils.cpus import cgroup_cpu_limit, usable_cpus
 from minisgl.utils.host_memory import keep_freed_memory
 
 from .conftest import DEVICE, assert_same_or_near_tie, hf_model
@@ -145,3 +148,22 @@ def test_rope_of_q_and_k_in_one_view_has_the_bits_of_each_apart(rows) -> None:
     torch_ops.apply_rope_inplace(positions, q, k, head, cos_sin, norm)
     torch_ops.apply_rope_inplace(positions, apart_q, apart_k, head, cos_sin, norm)
     assert torch.equal(q, apart_q) and torch.equal(k, apart_k)
+
+
+@pytest.mark.parametrize(
+    ("files", "limit"),
+    [
+        ({"cpu.max": "150000 100000\n"}, 2),  # cgroup v2, 1.5 cores: rounded up
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),  # v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),  # no cgroup files: the mask alone
+    ],
+)
+def test_a_cgroup_quota_caps_the_threads(tmp_path: Path, files: dict[str, str], limit) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_limit(tmp_path) == limit
+    cores = len(os.sched_getaffinity(0))
+    assert usable_cpus(tmp_path) == (cores if limit is None else min(cores, limit))

@@ -28,6 +28,7 @@ from minisgl.layers.linear import local_kv_heads
 from minisgl.models import CausalLM, ModelConfig, load_model
 from minisgl.moe import MOE_BACKENDS
 from minisgl.utils import init_logger
+from minisgl.utils.cpus import usable_cpus
 from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.host_memory import keep_freed_memory
 from minisgl.utils.torch_utils import pack_to_device, resolve_device, resolve_dtype
@@ -286,7 +287,7 @@ def _init_device(config: EngineConfig) -> torch.device:
             world_size=config.tp_size,
         )
     if device.type == "cpu":
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // config.ranks_per_node))
+        torch.set_num_threads(max(1, usable_cpus() // config.ranks_per_node))
         keep_freed_memory()
     torch.manual_seed(0)  # dummy weights: the same random model in every run
     return device
