@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from common import (
+    TOP_KERNELS,
     Row,
     Workload,
     add_engine_args,
@@ -207,7 +208,7 @@ def step_timeline(prof: profile) -> tuple[list[dict[str, Any]], list[dict[str, A
     ]
     idle = [
         {"kind": kind, "idle before kernel": name[:60], "idle_ms": ms}
-        for (kind, name), ms in idle_before.most_common(10)
+        for (kind, name), ms in idle_before.most_common(TOP_KERNELS // 3)
     ]
     return by_kind, idle
 

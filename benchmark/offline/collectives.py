@@ -9,7 +9,6 @@ starts.
 """
 
 import multiprocessing
-import socket
 import statistics
 import time
 from collections.abc import Sequence
@@ -17,16 +16,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from minisgl.utils.process import local_init_method
+
 ALL_REDUCES_PER_LAYER = 2  # after o_proj and after the MLP
 _CALLS = 20  # all-reduces per timed replay
 _REPEATS = 5  # timed replays per message size (the median counts)
 _TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _seconds_per_call(x: torch.Tensor) -> float:
@@ -63,7 +58,7 @@ def _seconds_per_call(x: torch.Tensor) -> float:
 def _rank(
     rank: int,
     tp: int,
-    port: int,
+    init_method: str,
     device_type: str,
     dtype: torch.dtype,
     numels: Sequence[int],
@@ -73,7 +68,7 @@ def _rank(
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp
+        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=tp
     )
     try:
         device = torch.device(device_type, rank) if cuda else torch.device("cpu")
@@ -90,9 +85,11 @@ def all_reduce_seconds(
     """Seconds of one all-reduce over `tp` ranks of each message size (elements of dtype)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    init_method = local_init_method()
     ranks = [
-        context.Process(target=_rank, args=(r, tp, port, device_type, dtype, numels, results))
+        context.Process(
+            target=_rank, args=(r, tp, init_method, device_type, dtype, numels, results)
+        )
         for r in range(tp)
     ]
     for process in ranks:

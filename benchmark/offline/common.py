@@ -33,6 +33,7 @@ from minisgl.moe.recorder import recording
 from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.torch_utils import resolve_dtype
 
+TOP_KERNELS = 30  # rows of a profile's kernel table
 QWEN3_SHAPE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "qwen3-tokenizer"
 # nano-vllm's bench draws prompt ids below 10000; ids are folded into smaller vocabularies
 MAX_TOKEN_ID = 10000
@@ -342,9 +343,6 @@ def record_experts_per_layer(
     del llm
     free_device_memory(device)
     return experts_per_layer
-
-
-TOP_KERNELS = 30
 
 
 def device_profiler(device: torch.device) -> profile:
