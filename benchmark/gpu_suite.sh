@@ -3,7 +3,7 @@
 # Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
 #
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
-#   PART: kernels sweep-attention gemv host latency bench bench-hf profile profile-shapes shapes
+#   PART: kernels sweep-attention sweep-one-request gemv host latency bench bench-hf profile profile-shapes shapes
 #         prefill prefill-profile latency-profile cprofile
 #         ablations pdl baseline tests tests-engine tests-tp tp2 serving serving-8b
 #         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all;
@@ -88,6 +88,9 @@ for part in "$@"; do
   case $part in
     kernels) step kernels 240 python3 benchmark/kernel/bench_attention.py ;;
     sweep-attention) step sweep_attention 300 python3 benchmark/kernel/sweep_decode_attention.py ;;
+    sweep-one-request)  # one request's decode attention at 8:1 (Qwen3-30B-A3B) and 2:1 groups
+      step sweep_one_request 300 python3 benchmark/kernel/sweep_decode_attention.py \
+        --one-request 32,4 16,8 --contexts 768 2048 --top 10 ;;
     gemv) step gemv 240 python3 benchmark/kernel/bench_gemv.py --json "$OUT/gemv.json" ;;
     host) step host 120 python3 benchmark/host/bench_decode_step.py --device cuda ;;
     latency) step latency 240 python3 benchmark/offline/latency.py ;;
@@ -122,11 +125,11 @@ for part in "$@"; do
       step no_overlap 240 python3 benchmark/offline/bench.py --skip-hf --no-overlap
       without_pdl ;;
     pdl) without_pdl ;;
-    baseline)  # bench and latency of another tree, for an A/B in one call: carry .baseline, made
-      # with `git archive REV minisgl benchmark | tar -x -C .baseline`
-      (ln -sfn ../tests .baseline/tests && cd .baseline && export PYTHONPATH="$PWD:$OLDPWD/.site" &&
-        step baseline_bench 300 python3 benchmark/offline/bench.py --skip-hf &&
-        step baseline_latency 240 python3 benchmark/offline/latency.py) ;;
+    baseline)  # BASELINE_PARTS (default: bench latency) of another tree, for an A/B in one call,
+      # logged under $OUT/baseline: carry .baseline, made with
+      # `git archive REV minisgl benchmark | tar -x -C .baseline`
+      (ln -sfn ../tests .baseline/tests && cd .baseline && PYTHONPATH="$OLDPWD/.site" \
+        OUT="$OUT/baseline" bash benchmark/gpu_suite.sh ${BASELINE_PARTS:-bench latency}) ;;
     tests)  # four workers (the image has pytest-xdist), a module per worker, failures listed last
       MINISGL_TEST_DEVICE=cuda step tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -rf -n 4 --dist loadfile \
         --timeout 300 --durations=10 -p no:cacheprovider tests ;;

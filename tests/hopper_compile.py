@@ -71,6 +71,11 @@ def call_every_wrapper() -> None:
         ops.decode_attention(
             q3, k_cache, v_cache, page_table, ints(bs), ints(bs), 4, ints(64), ints(bs)
         )
+    one_head = ops.DecodeLaunch(64, heads=1)  # a program per query head (one request's rule)
+    ops.decode_attention(
+        x(1, q_heads, head_dim), k_cache, v_cache, page_table, ints(1), ints(1), 4, ints(64),
+        None, one_head,
+    )  # fmt: skip
     ops.apply_rope_inplace(
         ints(3), x(3, q_heads * head_dim), x(3, kv_heads * head_dim), head_dim, cos_sin
     )
@@ -83,6 +88,8 @@ def call_every_wrapper() -> None:
 
     norm = ops.Prologue(x(hidden), 1e-6)
     with_residual = ops.Prologue(x(hidden), 1e-6, x(1, hidden), x(1, hidden))
+    keeping_normed = with_residual._replace(normed_out=x(1, hidden))  # a MoE layer's router
+    ops.linear(x(1, hidden), x(1, hidden).expand(128, hidden), prologue=keeping_normed)
     for n, k in ((4096, hidden), (hidden, 2048), (hidden, 3072), (70000, hidden)):
         weight = x(1, k).expand(n, k)  # stride 0 along n: the shape without the bytes
         ops.linear(x(1, k), weight)

@@ -4,6 +4,7 @@ On CPU they run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), at s
 and fp16 (the interpreter's tl.dot is wrong for bf16 inputs); on CUDA in fp32, fp16 and bf16.
 """
 
+import functools
 import os
 import re
 import subprocess
@@ -164,8 +165,11 @@ def test_extend_attention_matches_reference_over_prefix_and_new_tokens(qo_heads,
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_matches_reference_for_any_split_count(num_splits, page_size, dtype):
+def test_decode_attention_matches_reference_for_any_split_count(
+    num_splits, page_size, heads, dtype
+):
     torch.manual_seed(0)
     # 8 splits: 300 uses 5 splits of 64 keys and leaves 3 unused, 17 and 1 write their output
     # directly from their one split; 1 split: every request does
@@ -174,13 +178,30 @@ def test_decode_attention_matches_reference_for_any_split_count(num_splits, page
     batch = kv.batch([n - 1 for n in seq_lens], [1] * len(seq_lens))
     q, k, v = new_qkv(batch, 6, 2, dtype)
     want = attend(kv.backend("torch"), batch, (q, k, v))
-    counters = torch.zeros(len(seq_lens) * 2, dtype=torch.int32, device=DEVICE)
+    # heads 0: a program per KV head's group of 3; 1: a program per query head, a counter each
+    counters = torch.zeros(len(seq_lens) * 6, dtype=torch.int32, device=DEVICE)
     args = kv.decode_args(batch)
+    launch = triton_ops.DecodeLaunch(64, heads=heads)
     # twice: the last split of each request resets its counter, so a second launch reduces too
     for _ in range(2):
-        got = triton_ops.decode_attention(q, *args, num_splits, counters)
+        got = triton_ops.decode_attention(q, *args, num_splits, counters, None, launch)
         assert_close(got, want, ATTENTION_TOL[dtype])
         assert counters.count_nonzero() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_request_with_a_large_group_matches_reference_through_the_backend(dtype):
+    """One request at 8:1 GQA: the backend's default launch splits the group in two programs per
+    split, each with its own counter; twice, so the counters were left at zero."""
+    torch.manual_seed(0)
+    kv = PagedKV([300], 1, 1, dtype)
+    batch = kv.batch([299], [1])
+    qkv = new_qkv(batch, 8, 1, dtype)
+    want = attend(kv.backend("torch"), batch, qkv)
+    triton = kv.backend("triton")
+    for _ in range(2):
+        assert_close(attend(triton, batch, qkv), want, ATTENTION_TOL[dtype])
+        assert triton.split_counters.count_nonzero() == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -237,12 +258,30 @@ def test_decode_launch_takes_three_stages_only_where_they_fit():
     fit in a program's shared memory (an H200's), else in 2 (an A100's, or none reported)."""
     hopper, a100, bf16, d = 232_448, 166_912, torch.bfloat16, 128
     launch = triton_ops.decode_launch
-    assert launch(8, bf16, d, hopper) == (128, 4, 3)
-    assert launch(8, bf16, d, a100) == launch(8, bf16, d, 0) == (128, 4, 2)
-    assert launch(17, bf16, d, hopper) == (128, 4, 2)
+    three, two = triton_ops.DecodeLaunch(128, 4, 3), triton_ops.DecodeLaunch(128, 4, 2)
+    assert launch(8, bf16, d, hopper, 2) == launch(8, bf16, d, hopper, 8) == three
+    assert launch(8, bf16, d, a100, 2) == launch(8, bf16, d, 0, 2) == two
+    assert launch(17, bf16, d, hopper, 2) == two
     # one request, and fp32, whose 128-key tiles would not fit even in 2 stages: 64 keys
-    assert launch(1, bf16, d, hopper) == launch(8, torch.float32, d, hopper)
-    assert launch(1, bf16, d, hopper).block_n == 64
+    assert launch(1, bf16, d, hopper, 2) == launch(8, torch.float32, d, hopper, 2)
+    assert launch(1, bf16, d, hopper, 2).block_n == 64
+
+
+def test_one_request_splits_a_large_even_group_in_two_programs():
+    """One request: a GQA group above 4 query heads, if even, in two programs of half of them
+    (Qwen3-30B-A3B's 8:1), others whole; the backend's counters cover both programs."""
+    launch = functools.partial(triton_ops.decode_launch, 1, torch.bfloat16, 128, 232_448)
+    assert [launch(group).heads for group in (1, 2, 4, 7, 8, 16)] == [0, 0, 0, 0, 4, 8]
+    assert (
+        launch(
+            8,
+        ).block_n
+        == launch(2).block_n
+        == 64
+    )
+    # 2 rows (one request and the sink row) hold one request's two head blocks per KV head
+    assert triton_ops.split_counter_count(2, 4) == 8 and triton_ops.split_counter_count(1, 4) == 8
+    assert triton_ops.split_counter_count(9, 4) == 36
 
 
 def test_decode_splits_shrink_as_the_batch_grows():
@@ -503,8 +542,9 @@ def test_gemv_computes_rmsnorm_of_x_plus_residual_and_keeps_the_sum(with_residua
     norm_weight, weight = randn(700, dtype=dtype), randn(300, 700, dtype=dtype)
     x_before, residual_before = x.clone(), residual.clone()
     new_residual = torch.full_like(x, float("nan")) if with_residual else None
+    normed = torch.full_like(x, float("nan"))  # the first program stores the normed rows
     prologue = triton_ops.Prologue(
-        norm_weight, 1e-6, residual if with_residual else None, new_residual
+        norm_weight, 1e-6, residual if with_residual else None, new_residual, normed
     )
     got = triton_ops.linear(
         x, weight, config=triton_ops.gemv.GemvConfig(4, 256, 4), prologue=prologue
@@ -513,6 +553,7 @@ def test_gemv_computes_rmsnorm_of_x_plus_residual_and_keeps_the_sum(with_residua
     if with_residual:
         assert torch.equal(new_residual, summed)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+    assert_close(normed, torch_ops.rmsnorm(summed, norm_weight, 1e-6), ELEMENTWISE_TOL[dtype])
     want = torch.nn.functional.linear(
         torch_ops.rmsnorm(summed, norm_weight, 1e-6).float(), weight.float()
     )
@@ -531,6 +572,13 @@ def test_dispatched_norm_and_gated_matmuls_equal_the_unfused_ops(rows):
     want = torch_ops.linear(torch_ops.rmsnorm(summed, norm_weight, 1e-6), weight)
     y, new_residual = kernel.rmsnorm_linear(x.clone(), residual.clone(), norm_weight, 1e-6, weight)
     assert torch.equal(new_residual, summed)
+    assert_close(y, want, (5e-2, ATTENTION_TOL[dtype][1]))
+    # a MoE layer's router: the normed rows as well, which its experts read
+    h, y, new_residual = kernel.add_rmsnorm_linear(
+        x.clone(), residual.clone(), norm_weight, 1e-6, weight
+    )
+    assert torch.equal(new_residual, summed)
+    assert_close(h, torch_ops.rmsnorm(summed, norm_weight, 1e-6), ELEMENTWISE_TOL[dtype])
     assert_close(y, want, (5e-2, ATTENTION_TOL[dtype][1]))
     y, same = kernel.rmsnorm_linear(x, None, norm_weight, 1e-6, weight)
     assert same is x

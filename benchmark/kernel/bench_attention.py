@@ -33,11 +33,13 @@ TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 class Setup:
     """A one-layer pool holding one request per context length, their pages in random order."""
 
-    def __init__(self, ctx_lens: list[int], page_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, ctx_lens: list[int], page_size: int, dtype: torch.dtype, kv_heads: int = KV_HEADS
+    ) -> None:
         device = torch.device("cuda")
         pages_per_req = [-(-n // page_size) for n in ctx_lens]
         num_pages = sum(pages_per_req)
-        self.pool = KVPool(1, num_pages, page_size, KV_HEADS, HEAD_DIM, dtype, device)
+        self.pool = KVPool(1, num_pages, page_size, kv_heads, HEAD_DIM, dtype, device)
         for cache in (self.pool.k_cache(0), self.pool.v_cache(0)):
             cache.normal_()
         width = max(pages_per_req) * page_size

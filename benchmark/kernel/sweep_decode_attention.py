@@ -8,6 +8,8 @@ session).
 contexts) with each number of programs per SM the split rule could aim at (and each `--tiles`
 launch), and sums the steps: the rule's effect on the whole run, without the run's noise.
 `--offline-launches N` reports the best of a small grid of launches per step.
+`--one-request QO,KV ...` sweeps one request's launch (keys per step, query heads per program,
+splits) at those head counts, e.g. 32,4 for Qwen3-30B-A3B's 8:1 groups.
 
     python benchmark/kernel/sweep_decode_attention.py            # bf16, batches 256 and 128
     python benchmark/kernel/sweep_decode_attention.py --offline-run 16
@@ -69,6 +71,38 @@ def sweep(ctx_lens: list[int], copy_bw: float, top: int) -> None:
             f"bs {bs:>3} BLOCK_N {block_n:>3} warps {warps} stages {stages} splits {splits}: "
             f"{seconds * 1e6:7.1f} us {kv_bytes / seconds / copy_bw:6.1%} of copy, "
             f"max difference from the default {error:.2e}"
+        )
+
+
+def sweep_one_request(qo_heads: int, kv_heads: int, ctx: int, top: int) -> None:
+    """One request of ctx keys: every launch of keys per step x query heads per program x
+    splits, against the default launch, each in a CUDA graph."""
+    dtype, group = torch.bfloat16, qo_heads // kv_heads
+    setup = Setup([ctx], 1, dtype, kv_heads)
+    q = torch.randn(1, qo_heads, HEAD_DIM, dtype=dtype, device="cuda")
+    _, inputs = setup.batch(1)
+    args = (q, *setup.kernel_args(inputs))
+    counters = torch.zeros(qo_heads, dtype=torch.int32, device="cuda")
+    default_splits = decode_num_splits(1, kv_heads, num_sms(q.device))
+    default = functools.partial(decode_attention, *args, default_splits, counters)
+    want = default().float()
+    default_seconds = do_bench_cudagraph(default) * 1e-3
+    print(
+        f"one request, {qo_heads}/{kv_heads} heads, {ctx} keys: default launch "
+        f"({default_splits} splits) {default_seconds * 1e6:.2f} us"
+    )
+    heads = [h for h in (1, 2, 4, 8, 16) if group % h == 0]
+    results = []
+    for block_n, head_count, splits in itertools.product((16, 32, 64), heads, (8, 16, 32, 64)):
+        launch = DecodeLaunch(block_n, heads=head_count)
+        run = functools.partial(decode_attention, *args, splits, counters, None, launch)
+        error = (run().float() - want).abs().max().item()
+        results.append((do_bench_cudagraph(run) * 1e-3, block_n, head_count, splits, error))
+    for seconds, block_n, head_count, splits, error in sorted(results)[:top]:
+        print(
+            f"  BLOCK_N {block_n:>2} heads/program {head_count} splits {splits:>2}: "
+            f"{seconds * 1e6:6.2f} us ({default_seconds / seconds:.2f}x the default), "
+            f"max difference {error:.1e}"
         )
 
 
@@ -181,9 +215,15 @@ def main() -> None:
     parser.add_argument(
         "--offline-launches", type=int, metavar="N", help="sweep launches on every N-th step"
     )
+    parser.add_argument("--one-request", nargs="+", default=[], metavar="QO,KV")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[768, 4096])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("sweep_decode_attention: no CUDA device, nothing to measure")
+        return
+    if args.one_request:
+        for heads, ctx in itertools.product(args.one_request, args.contexts):
+            sweep_one_request(*map(int, heads.split(",")), ctx, args.top)
         return
     if args.offline_launches:
         compare_launches(args.offline_launches)

@@ -12,6 +12,7 @@ from minisgl.kernel.triton import (
     extend_attention,
     extend_blocks,
     num_sms,
+    split_counter_count,
 )
 from minisgl.kvcache.pool import KVPool
 from minisgl.utils.torch_utils import pack_to_device
@@ -37,11 +38,9 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, pool: KVPool, page_table: torch.Tensor) -> None:
         super().__init__(pool, page_table)
-        # decode's per-(request, KV head) split counters: zero between launches, one row per slot
-        num_kv_heads = pool.k_cache(0).shape[1]
-        self.split_counters = torch.zeros(
-            page_table.shape[0] * num_kv_heads, dtype=torch.int32, device=page_table.device
-        )
+        # decode's split counters, per (request, head block): zero between launches
+        count = split_counter_count(page_table.shape[0], pool.k_cache(0).shape[1])
+        self.split_counters = torch.zeros(count, dtype=torch.int32, device=page_table.device)
 
     def prepare(self, batch: Batch) -> ExtendMetadata | None:
         if batch.is_decode:

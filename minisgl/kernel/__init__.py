@@ -162,6 +162,27 @@ def rmsnorm_linear(
     return y, x if new_residual is None else new_residual
 
 
+def add_rmsnorm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, linear(h), the new residual x + residual), h = rmsnorm(x + residual): for a MoE layer,
+    whose router and experts both read h. Where the GEMV serves, its kernel computes all three
+    (one launch less than the norm's kernel and the matmul's); else as fused_add_rmsnorm (in
+    place, x may be linear_split_k's partial sums) and linear."""
+    ops = _gemv_ops(x, weight)
+    if ops is None:
+        h = fused_add_rmsnorm(x, residual, norm_weight, eps)
+        return h, linear(h, weight), residual
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    prologue = ops.Prologue(norm_weight, eps, residual, new_residual, h)
+    return h, ops.linear(x, weight, prologue=prologue), new_residual
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dimension -> silu(gate) * up."""
     return _ops_for(x).silu_and_mul(x)
@@ -216,6 +237,7 @@ def read_tables(
 __all__ = [
     "DeviceWrites",
     "KVStore",
+    "add_rmsnorm_linear",
     "apply_rope_inplace",
     "fused_add_rmsnorm",
     "indexing",

@@ -5,7 +5,7 @@ intermediate dimension, as of a dense MLP's, and the partial outputs are summed 
 import torch
 
 from minisgl.distributed import all_reduce, get_tp_info
-from minisgl.kernel import fused_add_rmsnorm, linear, moe_route
+from minisgl.kernel import add_rmsnorm_linear, moe_route
 from minisgl.moe.base import MoEBackend, Routing
 from minisgl.moe.recorder import record_routing
 from minisgl.utils import div_even
@@ -15,13 +15,11 @@ from .norm import RMSNorm
 
 
 class Router(BaseOP):
-    """The gate's [experts, hidden] weight, whole on every rank."""
+    """The gate's [experts, hidden] weight, whole on every rank. Weights only: the sparse MLP
+    runs it with the norm before it (add_rmsnorm_linear)."""
 
     def __init__(self, num_experts: int, hidden_size: int) -> None:
         self.weight = torch.empty(num_experts, hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
 
 
 class Experts(BaseOP):
@@ -56,8 +54,10 @@ class SparseMLP(BaseOP):
         self, x: torch.Tensor, residual: torch.Tensor, input_norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts' output for norm(x + residual) and the new residual, x + residual."""
-        x = fused_add_rmsnorm(x, residual, input_norm.weight, input_norm.eps)
-        routing = Routing(*moe_route(self.gate.forward(x), self._top_k, self._renormalize))
+        x, logits, residual = add_rmsnorm_linear(
+            x, residual, input_norm.weight, input_norm.eps, self.gate.weight
+        )
+        routing = Routing(*moe_route(logits, self._top_k, self._renormalize))
         record_routing(routing.ids, self.gate.weight.shape[0])
         experts = self.experts
         out = self._backend.forward(x, experts.gate_up_proj, experts.down_proj, routing)

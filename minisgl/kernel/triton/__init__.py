@@ -3,7 +3,14 @@
 `triton` attention and MoE backends."""
 
 from .activation import silu_and_mul
-from .decode_attention import decode_attention, decode_launch, decode_num_splits, num_sms
+from .decode_attention import (
+    DecodeLaunch,
+    decode_attention,
+    decode_launch,
+    decode_num_splits,
+    num_sms,
+    split_counter_count,
+)
 from .extend_attention import extend_attention, extend_blocks
 from .fused_moe import fused_moe
 from .gemv import Prologue, linear, use_gemv
@@ -14,6 +21,7 @@ from .sampling import sample_tokens
 from .tables import read_tables
 
 __all__ = [
+    "DecodeLaunch",
     "Prologue",
     "apply_rope_inplace",
     "decode_attention",
@@ -30,5 +38,6 @@ __all__ = [
     "rmsnorm",
     "sample_tokens",
     "silu_and_mul",
+    "split_counter_count",
     "use_gemv",
 ]

@@ -4,9 +4,10 @@
     |<-- split 0 -->|<-- split 1 -->| ... |<- last used split ->|  (unused splits)
     split_len = ceil(seq_len / S) rounded up to BLOCK_N, so a short request uses fewer splits
 
-    program (split, kv_head, rank r): the GROUP query heads of kv_head attend to the split's keys
-        (K/V read once per group) -> partial output o_s and its log2-sum-exp lse_s in scratch;
-        the last of the request's used splits to finish (a counter per (req, kv_head) says which)
+    program (split, head block, rank r): the HEADS query heads of a block (all GROUP heads of a
+        KV head, or a part of them) attend to the split's keys -> partial output o_s and its
+        log2-sum-exp lse_s in scratch;
+        the last of the request's used splits to finish (a counter per (req, head block) says which)
         then reduces: out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max), and resets the
         counter to 0 for the next launch. A request that needs one split writes its output directly.
 
@@ -42,6 +43,11 @@ from .pdl import pdl_args, wait_for_previous
 
 _BLOCK_N = 64  # keys per step, one request or fp32: 16 KiB of bf16 K (or V) at head_dim 128
 _ONE_REQUEST_PROGRAMS_PER_SM = 16
+# one request's GQA group above 4 query heads (an even one) runs as two programs of half the heads
+# each: at 32/4 heads (Qwen3-30B-A3B) 8.08 us against 10.29 at 768 keys, 8.23 against 10.69 at
+# 2,048 (H200, bf16, in a CUDA graph; groups of 2 gained nothing from splitting)
+_ONE_REQUEST_MAX_HEADS = 4
+_ONE_REQUEST_HEAD_BLOCKS = 2  # programs per KV head and split where the group is split
 # 2 to PREFETCH_MAX_BATCH requests: 128 keys per step in 3 stages where they fit (192 KiB of bf16
 # K and V at head_dim 128; 2 stages elsewhere), at most 2 programs per SM, so each reads several
 # blocks: 16 requests took 35.3 us against 64.8 with 64 keys and ~16 programs per SM (H200, bf16)
@@ -59,15 +65,20 @@ class DecodeLaunch(NamedTuple):
     block_n: int  # keys per step
     num_warps: int = 4
     num_stages: int = 2
+    heads: int = 0  # query heads per program, a divisor of the GQA group (0: the whole group)
 
 
 def decode_launch(
-    batch_size: int, dtype: torch.dtype, head_dim: int, shared_memory: int
+    batch_size: int, dtype: torch.dtype, head_dim: int, shared_memory: int, group: int
 ) -> DecodeLaunch:
     """The launch for a batch: 64 keys per step for one request (a short context still spreads
-    over many SMs) and in fp32, else 128, in 3 stages up to PREFETCH_MAX_BATCH requests where
+    over many SMs), its GQA group (query heads per KV head) in two programs where it is even and
+    above 4; in fp32 64 keys too; else 128, in 3 stages up to PREFETCH_MAX_BATCH requests where
     their K and V tiles fit in shared_memory (bytes a program may use), else 2."""
-    if batch_size == 1 or dtype.itemsize > 2:
+    if batch_size == 1:
+        split_group = group > _ONE_REQUEST_MAX_HEADS and group % _ONE_REQUEST_HEAD_BLOCKS == 0
+        return DecodeLaunch(_BLOCK_N, heads=group // _ONE_REQUEST_HEAD_BLOCKS if split_group else 0)
+    if dtype.itemsize > 2:
         return DecodeLaunch(_BLOCK_N)
     stage_bytes = 2 * _LARGE_BATCH_BLOCK_N * head_dim * dtype.itemsize  # a K and a V tile
     three_stages = batch_size <= PREFETCH_MAX_BATCH and 3 * stage_bytes <= shared_memory
@@ -89,6 +100,11 @@ def shared_memory_per_program(device: torch.device) -> int:
         return _HOPPER_SHARED_MEMORY
     properties = torch.cuda.get_device_properties(device)
     return getattr(properties, "shared_memory_per_block_optin", 0)
+
+
+def split_counter_count(rows: int, kv_heads: int) -> int:
+    """The split counters decode_attention's default launches need for up to `rows` requests."""
+    return max(rows, _ONE_REQUEST_HEAD_BLOCKS) * kv_heads
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
@@ -127,7 +143,7 @@ def _split_kernel(
     mid_o_ptr,  # [bs, qo_heads, NUM_SPLITS, BLOCK_D] fp32
     mid_lse_ptr,  # [bs, qo_heads, NUM_SPLITS] fp32
     o_ptr,  # [bs, qo_heads, HEAD_DIM]
-    counter_ptr,  # [>= bs * kv_heads] int32, zero between launches: splits done per (req, kv_head)
+    counter_ptr,  # [>= bs * head blocks] int32, zero between launches: splits done per (req, block)
     qk_scale,
     stride_q_tok,
     stride_q_head,
@@ -139,6 +155,7 @@ def _split_kernel(
     stride_v_head,
     stride_pt_row,
     GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -151,7 +168,8 @@ def _split_kernel(
 ):
     if not PREFETCH:
         wait_for_previous(USE_PDL)
-    split, kv_head, req = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    split, head_block, req = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head = head_block // (GROUP // HEADS)
     if ORDERED:
         req = tl.load(order_ptr + req)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -182,8 +200,8 @@ def _split_kernel(
         v_first += v_new
 
     h = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + h
-    head_mask = h < GROUP
+    heads = head_block * HEADS + h
+    head_mask = h < HEADS
     q_ptrs = q_ptr + req * stride_q_tok + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptrs, mask=head_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1  # the new token sees every key
@@ -212,17 +230,17 @@ def _split_kernel(
             o_mask = head_mask[:, None] & d_mask[None, :]
             tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
     elif split < num_used:
-        qo_heads = tl.num_programs(1) * GROUP
+        qo_heads = tl.num_programs(1) * HEADS
         row = (req * qo_heads + heads) * NUM_SPLITS + split
         tl.store(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], out, mask=head_mask[:, None])
         tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=head_mask)
         tl.debug_barrier()  # every thread's stores precede the count (released by the atomic)
-        counter = counter_ptr + req * tl.num_programs(1) + kv_head
+        counter = counter_ptr + req * tl.num_programs(1) + head_block
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:
             tl.store(counter, 0)
             _reduce_splits(
                 mid_o_ptr, mid_lse_ptr, o_ptr + req * stride_o_tok, (req * qo_heads) * NUM_SPLITS,
-                kv_head, num_used, stride_o_head, GROUP, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D,
+                head_block, num_used, stride_o_head, HEADS, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D,
             )  # fmt: skip
 
 
@@ -232,22 +250,22 @@ def _reduce_splits(
     mid_lse_ptr,
     o_req_ptr,
     first_row,
-    kv_head,
+    head_block,
     num_used,
     stride_o_head,
-    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Combine the used splits' partial outputs of kv_head's query heads. The loads bypass L1:
-    the partials were written by other programs."""
+    """Combine the used splits' partial outputs of the head block's query heads. The loads bypass
+    L1: the partials were written by other programs."""
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     used = s < num_used
-    for g in tl.static_range(GROUP):
-        head = kv_head * GROUP + g
+    for g in tl.static_range(HEADS):
+        head = head_block * HEADS + g
         row = first_row + head * NUM_SPLITS + s
         lse = tl.load(mid_lse_ptr + row, mask=used, other=float("-inf"), cache_modifier=".cg")
         weight = tl.exp2(lse - tl.max(lse, 0))
@@ -274,7 +292,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """q: [bs, qo_heads, D] (one token per request); caches: [locations, kv_heads, D];
     page_table: [rows, width] int32 pool locations; slots, seq_lens: [bs] int32 (seq_len >= 1);
-    split_counters: int32 zeros, at least bs * kv_heads of them (left zero on return);
+    split_counters: int32 zeros, at least bs * qo_heads / launch.heads of them (left zero);
     longest_first: [bs] int32, the rows by seq_len, longest first; a batch above
     PREFETCH_MAX_BATCH then starts its longest requests first (a small one, whose programs all
     run at once, skips that read). Returns [bs, qo_heads, D]. Launch shapes and scratch depend on
@@ -283,22 +301,24 @@ def decode_attention(
     kv_heads = k_cache.shape[1]
     group = qo_heads // kv_heads
     block_d = dot_block(head_dim)
-    assert split_counters.numel() >= bs * kv_heads and split_counters.dtype == torch.int32
+    assert split_counters.dtype == torch.int32
     mid_o = torch.empty((bs, qo_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bs, qo_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    block_n, num_warps, num_stages = launch or decode_launch(
-        bs, q.dtype, head_dim, shared_memory_per_program(q.device)
+    block_n, num_warps, num_stages, heads = launch or decode_launch(
+        bs, q.dtype, head_dim, shared_memory_per_program(q.device), group
     )
+    heads = heads or group
+    assert group % heads == 0 and split_counters.numel() >= bs * qo_heads // heads
     ordered = longest_first is not None and bs > PREFETCH_MAX_BATCH
     order = longest_first if ordered else seq_lens  # unordered: any int32 pointer, never read
-    _split_kernel[(num_splits, kv_heads, bs)](
+    _split_kernel[(num_splits, qo_heads // heads, bs)](
         q, k_cache, v_cache, page_table, slots, seq_lens, order,
         mid_o, mid_lse, out, split_counters,
         head_dim**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
-        GROUP=group, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(group),
+        GROUP=group, HEADS=heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(heads),
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=block_n,
         PREFETCH=bs <= PREFETCH_MAX_BATCH, ORDERED=ordered, num_warps=num_warps,
         num_stages=num_stages,

@@ -12,6 +12,8 @@ previous kernel (see pdl.py): those loads overlap its tail.
 A prologue computes x from what the op before the matmul would have read: rmsnorm(x + residual) for
 the projections after a layer norm. At one row that op is a kernel of a few microseconds whose
 output is a few KiB, so computing it again in every program (from L2) costs less than launching it.
+Where another op reads the normed row too (a MoE layer's experts, after its router's matmul), the
+first program also stores it.
 
 The gated epilogue computes silu(gate) * up for W = [W_gate; W_up] (the gate/up projection): a
 program reads the rows of both halves for its features, interleaved, so the activation costs no
@@ -63,10 +65,10 @@ def _silu_and_mul(gate, up, dtype: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, residual_ptr, residual_out_ptr, norm_w_ptr, eps,
+    x_ptr, w_ptr, b_ptr, y_ptr, residual_ptr, residual_out_ptr, norm_w_ptr, normed_out_ptr, eps,
     N, K, stride_x, stride_w, stride_y, stride_residual,
     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORMED_OUT: tl.constexpr,
     BLOCK_ROW: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # N: output features. BLOCK_N rows of W per program; gated, rows (gate_j, up_j) alternate
@@ -97,6 +99,11 @@ def _gemv_kernel(
                     tl.store(residual_out_ptr + row * K + cols, x, mask=cols < K)
             xf = x.to(tl.float32)
             inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
+            if NORMED_OUT and tl.program_id(0) == 0:
+                normed = _input_chunk(
+                    x_row, residual_row, norm_w_ptr, cols, cols < K, inv_rms, NORM, HAS_RESIDUAL
+                )
+                tl.store(normed_out_ptr + row * K + cols, normed, mask=cols < K)
         x = _input_chunk(x_row, residual_row, norm_w_ptr, k, k < K, inv_rms, NORM, HAS_RESIDUAL)
         acc = w_first.to(tl.float32) * x.to(tl.float32)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -157,6 +164,7 @@ class Prologue(NamedTuple):
     eps: float = 0.0
     residual: torch.Tensor | None = None  # added to x first; the sum goes to residual_out
     residual_out: torch.Tensor | None = None  # [rows, K], contiguous
+    normed_out: torch.Tensor | None = None  # [rows, K], contiguous: receives the normed x
 
 
 _NO_PROLOGUE = Prologue()
@@ -178,6 +186,8 @@ def linear(
     norm, residual, residual_out = prologue.norm_weight, prologue.residual, prologue.residual_out
     assert (residual is None) == (residual_out is None) and (norm is not None or residual is None)
     assert residual_out is None or residual_out.is_contiguous()
+    normed_out = prologue.normed_out
+    assert normed_out is None or (norm is not None and normed_out.is_contiguous())
     block_n, block_k, num_warps = config or default_config(w_rows, k, norm is not None, gated)
     n = w_rows // 2 if gated else w_rows
     features_per_program = block_n // 2 if gated else block_n
@@ -186,10 +196,12 @@ def linear(
     _gemv_kernel[(triton.cdiv(n, features_per_program),)](
         x, weight, weight if bias is None else bias, y, x if residual is None else residual,
         x if residual_out is None else residual_out, weight if norm is None else norm,
+        x if normed_out is None else normed_out,
         prologue.eps, n, k, x.stride(0), weight.stride(0), y.stride(0),
         0 if residual is None else residual.stride(0),
         ROWS=rows, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        NORMED_OUT=normed_out is not None,
         BLOCK_ROW=triton.next_power_of_2(k) if norm is not None else 1,
         num_warps=num_warps, **pdl_args(x.device),
     )  # fmt: skip
