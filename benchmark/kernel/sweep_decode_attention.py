@@ -41,7 +41,7 @@ def sweep(ctx_lens: list[int], copy_bw: float, top: int) -> None:
     bs, dtype = len(ctx_lens), torch.bfloat16
     setup = Setup(ctx_lens, 1, dtype)
     q = torch.randn(bs, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
-    batch = setup.batch(1)
+    _, batch = setup.batch(1)
     kernel_args, order = setup.kernel_args(batch), batch.longest_first
     counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device="cuda")
     default_splits = decode_num_splits(bs, KV_HEADS, num_sms(q.device))
@@ -132,7 +132,7 @@ def compare_split_rules(
         bs = len(contexts)
         setup = Setup(contexts, 1, torch.bfloat16)
         q = torch.randn(bs, QO_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        batch = setup.batch(1)
+        _, batch = setup.batch(1)
         counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device="cuda")
         timed: dict[tuple[DecodeLaunch | None, int], float] = {}
         for tile, per_sm in rules:
@@ -169,7 +169,7 @@ def compare_launches(every: int) -> None:
         bs = len(contexts)
         setup = Setup(contexts, 1, torch.bfloat16)
         q = torch.randn(bs, QO_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        batch = setup.batch(1)
+        _, batch = setup.batch(1)
         args = (q, *setup.kernel_args(batch))
         counters = torch.zeros(bs * KV_HEADS, dtype=torch.int32, device="cuda")
         default_splits = decode_num_splits(bs, KV_HEADS, sms)
