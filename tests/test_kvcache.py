@@ -1,5 +1,6 @@
 """The radix prefix cache and the KV cache manager's accounting."""
 
+import numpy as np
 import pytest
 
 from minisgl.kvcache import IntegrityError
@@ -132,4 +133,20 @@ def test_integrity_check_detects_a_double_free() -> None:
     kv.reserve(0, 2)
     kv.allocator.free(list(kv._pages[0]))  # a bug that frees a page still in use
     with pytest.raises(IntegrityError, match="both free and in use"):
+        kv.check_integrity()
+
+
+def test_a_page_freed_twice_fails_at_once_or_in_the_check() -> None:
+    kv = make_manager()
+    kv.admit(0, [])
+    kv.reserve(0, 8)  # 4 of the 8 pages
+    free_page = int(np.flatnonzero(kv.allocator.is_free())[0])
+    free_before = kv.allocator.num_free
+    with pytest.raises(IntegrityError, match="freed twice"):
+        kv.allocator.free([free_page])
+    assert kv.allocator.num_free == free_before
+    kv.check_integrity()
+    held = kv._pages[0][0]
+    kv.allocator.free([held, held])  # twice in one call: the stack holds it twice
+    with pytest.raises(IntegrityError, match="free twice"):
         kv.check_integrity()
