@@ -3,8 +3,8 @@
 # Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
 #
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
-#   PART: kernels sweep-attention sweep-one-request gemv host latency bench bench-hf profile profile-shapes shapes
-#         prefill prefill-profile latency-profile cprofile
+#   PART: kernels sweep-attention sweep-one-request gemv gemv-a3b host latency latency-8b bench bench-hf profile profile-shapes shapes
+#         prefill prefill-0.6b prefill-profile latency-profile cprofile
 #         ablations pdl baseline tests tests-engine tests-tp tp2 serving serving-8b
 #         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all;
 #         also moe-sweep, the GEMV tiles at one token, and moe-profile)
@@ -92,8 +92,13 @@ for part in "$@"; do
       step sweep_one_request 300 python3 benchmark/kernel/sweep_decode_attention.py \
         --one-request 32,4 16,8 --contexts 768 2048 --top 10 ;;
     gemv) step gemv 240 python3 benchmark/kernel/bench_gemv.py --json "$OUT/gemv.json" ;;
+    gemv-a3b)  # Qwen3-30B-A3B's QKV and o_proj GEMVs at one row, the tile sweep
+      step gemv_a3b 300 python3 benchmark/kernel/bench_gemv.py --sweep \
+        --shapes a3b_qkv_proj a3b_o_proj --json "$OUT/gemv_a3b.json" ;;
     host) step host 120 python3 benchmark/host/bench_decode_step.py --device cuda ;;
     latency) step latency 240 python3 benchmark/offline/latency.py ;;
+    latency-8b) step latency_8b 240 python3 benchmark/offline/latency.py \
+      --model benchmark/presets/llama-3.1-8b --json "$OUT/latency_8b.json" ;;
     bench) step bench 300 python3 benchmark/offline/bench.py --skip-hf ;;
     bench-hf) step bench_hf 300 python3 benchmark/offline/bench.py --json "$OUT/bench_hf.json" ;;
     profile) step profile 300 python3 benchmark/offline/bench.py --skip-hf --profile ;;
@@ -114,6 +119,8 @@ for part in "$@"; do
         --model benchmark/presets/llama-3.1-8b --json "$OUT/prefill_llama-3.1-8b.json"
       step prefill_long 300 python3 benchmark/offline/prefill.py --model benchmark/presets/llama-3.1-8b \
         --num-requests 16 --min-len 16384 --max-len 32768 --repeats 3 --json "$OUT/prefill_long.json" ;;
+    prefill-0.6b)  # the first of prefill's rows alone
+      step prefill_qwen3-0.6b 180 python3 benchmark/offline/prefill.py --json "$OUT/prefill_qwen3-0.6b.json" ;;
     prefill-profile)  # the 8k-token Qwen3-0.6B prompt kernel by kernel
       step prefill_profile 180 python3 benchmark/offline/prefill.py --profile \
         --json "$OUT/prefill_profile.json" ;;

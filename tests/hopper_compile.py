@@ -97,6 +97,9 @@ def call_every_wrapper() -> None:
             ops.linear(x(1, k), weight, prologue=norm)
             ops.linear(x(1, k), weight, prologue=with_residual)
     ops.linear(x(2, 2048), x(1, 2048).expand(hidden, 2048))
+    # Qwen3-30B-A3B's QKV projection after the norm and its o_proj: tiles of their own
+    ops.linear(x(1, 2048), x(1, 2048).expand(5120, 2048), prologue=ops.Prologue(x(2048), 1e-6))
+    ops.linear(x(1, 4096), x(1, 4096).expand(2048, 4096))
     ops.linear(x(1, hidden), x(1, hidden).expand(1024, hidden), x(1024))
     ops.linear(x(1, hidden), x(1, hidden).expand(1024, hidden), prologue=with_residual, gated=True)
 

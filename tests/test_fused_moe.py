@@ -15,6 +15,7 @@ from minisgl.kernel.triton.fused_moe import (
     gemv_moe,
     grouped_moe,
 )
+from minisgl.kernel.triton.gemv import GemvConfig
 from minisgl.kernel.triton.moe_align import align_by_expert, max_blocks
 from minisgl.kernel.triton.moe_route import moe_route
 from minisgl.moe.base import Routing
@@ -124,6 +125,21 @@ def test_gemv_path_of_a_few_tokens_equals_torch(
     """inter 18: a partial last block of features and of K (a program per pair and 4 features)."""
     got, want, _ = run_both(tokens, experts, top_k, dtype, tile=None, inter=18)
     assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("down", [GemvConfig(2, 16, 4), GemvConfig(1, 64, 1)])
+def test_gemv_down_kernel_over_k_tiles_and_an_odd_top_k(down: GemvConfig, dtype: torch.dtype):
+    """inter 40: the down kernel's rows over three tiles of 16 (the last partial), or in one of
+    64; top-3: an expert count that is no power of 2."""
+    torch.manual_seed(3)
+    x = torch.randn(2, HIDDEN, device=DEVICE).to(dtype)
+    w13 = (torch.randn(8, 2 * 40, HIDDEN, device=DEVICE) / HIDDEN**0.5).to(dtype)
+    w2 = (torch.randn(8, HIDDEN, 40, device=DEVICE) / 40**0.5).to(dtype)
+    weights, ids = make_routing(2, 8, 3)
+    routing = Routing(weights.to(dtype), ids)
+    want = TorchMoE().forward(x, w13, w2, routing)
+    assert_close(gemv_moe(x, w13, w2, routing.weights, ids, down=down), want, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

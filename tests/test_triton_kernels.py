@@ -497,6 +497,28 @@ def test_read_tables_applies_the_writes_before_reading(with_writes):
         assert page_table.view(-1)[2] == -2 and token_table.view(-1)[6] == -6
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "norm"),
+    [(2056, 1032, True), (1032, 2056, False)],
+    ids=["with-norm-many-features-long-rows", "few-features-long-rows"],
+)
+def test_gemv_default_tiles_of_larger_layers_match_linear(n, k, norm):
+    """The default tile at shapes of Qwen3-30B-A3B's kind (its QKV projection after the norm, its
+    o_proj), shrunk to just past each rule's bounds: partial tiles of features and of K."""
+    torch.manual_seed(n)
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    x, weight, norm_weight = (
+        randn(1, k, dtype=dtype),
+        randn(n, k, dtype=dtype),
+        randn(k, dtype=dtype),
+    )
+    prologue = triton_ops.Prologue(norm_weight, 1e-6) if norm else triton_ops.gemv.Prologue()
+    want = torch_ops.rmsnorm(x, norm_weight, 1e-6) if norm else x
+    want = torch.nn.functional.linear(want.float(), weight.float())
+    got = triton_ops.linear(x, weight, prologue=prologue)
+    assert_close(got, want, (5e-2, ATTENTION_TOL[dtype][1]))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_matches_linear_for_small_batches(rows, dtype):

@@ -1,4 +1,5 @@
-"""Small-batch GEMV (minisgl.kernel.triton.gemv) on the Qwen3-0.6B linear shapes, next to cuBLAS
+"""Small-batch GEMV (minisgl.kernel.triton.gemv) on the Qwen3-0.6B linear shapes (and the dense
+ones of Qwen3-30B-A3B's attention, `a3b_*`), next to cuBLAS
 (F.linear) and the device's copy bandwidth: the default tile, and with --sweep a sweep of tiles at
 one row (how the default was chosen). At one row, the GEMV with the ops around it fused in (the
 layer norm before it; SiLU-and-mul after the gate/up projection) against their own kernels.
@@ -34,8 +35,16 @@ SHAPES = {  # name: (N, K, copies)
     "gate_up_proj": (6144, 1024, NUM_LAYERS),
     "down_proj": (1024, 3072, NUM_LAYERS),
     "lm_head": (151936, 1024, 1),
+    "a3b_qkv_proj": (5120, 2048, 48),
+    "a3b_o_proj": (2048, 4096, 48),
 }
-FUSED = {"qkv_proj": "rmsnorm", "gate_up_proj": "rmsnorm + silu_and_mul", "lm_head": "rmsnorm"}
+FUSED = {
+    "qkv_proj": "rmsnorm",
+    "gate_up_proj": "rmsnorm + silu_and_mul",
+    "lm_head": "rmsnorm",
+    "a3b_qkv_proj": "rmsnorm",
+}
+DEFAULT_SHAPES = [name for name in SHAPES if not name.startswith("a3b_")]
 SWEEP = [
     GemvConfig(block_n, block_k, num_warps)
     for block_n, block_k, num_warps in itertools.product(
@@ -76,7 +85,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--json", help="also write every measurement here")
     parser.add_argument("--sweep", action="store_true", help="also time a sweep of tiles (1 row)")
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=DEFAULT_SHAPES)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_gemv: no CUDA device, nothing to measure (the kernel needs a GPU)")
