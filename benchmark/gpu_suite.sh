@@ -92,9 +92,9 @@ for part in "$@"; do
       step sweep_one_request 300 python3 benchmark/kernel/sweep_decode_attention.py \
         --one-request 32,4 16,8 --contexts 768 2048 --top 10 ;;
     gemv) step gemv 240 python3 benchmark/kernel/bench_gemv.py --json "$OUT/gemv.json" ;;
-    gemv-a3b)  # Qwen3-30B-A3B's QKV and o_proj GEMVs at one row, the tile sweep
+    gemv-a3b)  # Qwen3-30B-A3B's QKV, o_proj and LM head GEMVs at one row, the tile sweep
       step gemv_a3b 300 python3 benchmark/kernel/bench_gemv.py --sweep \
-        --shapes a3b_qkv_proj a3b_o_proj --json "$OUT/gemv_a3b.json" ;;
+        --shapes a3b_qkv_proj a3b_o_proj a3b_lm_head --json "$OUT/gemv_a3b.json" ;;
     host) step host 120 python3 benchmark/host/bench_decode_step.py --device cuda ;;
     latency) step latency 240 python3 benchmark/offline/latency.py ;;
     latency-8b) step latency_8b 240 python3 benchmark/offline/latency.py \

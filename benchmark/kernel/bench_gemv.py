@@ -1,5 +1,5 @@
-"""Small-batch GEMV (minisgl.kernel.triton.gemv) on the Qwen3-0.6B linear shapes (and the dense
-ones of Qwen3-30B-A3B's attention, `a3b_*`), next to cuBLAS
+"""Small-batch GEMV (minisgl.kernel.triton.gemv) on the Qwen3-0.6B linear shapes (and
+Qwen3-30B-A3B's dense ones, `a3b_*`), next to cuBLAS
 (F.linear) and the device's copy bandwidth: the default tile, and with --sweep a sweep of tiles at
 one row (how the default was chosen). At one row, the GEMV with the ops around it fused in (the
 layer norm before it; SiLU-and-mul after the gate/up projection) against their own kernels.
@@ -37,12 +37,14 @@ SHAPES = {  # name: (N, K, copies)
     "lm_head": (151936, 1024, 1),
     "a3b_qkv_proj": (5120, 2048, 48),
     "a3b_o_proj": (2048, 4096, 48),
+    "a3b_lm_head": (151936, 2048, 1),
 }
 FUSED = {
     "qkv_proj": "rmsnorm",
     "gate_up_proj": "rmsnorm + silu_and_mul",
     "lm_head": "rmsnorm",
     "a3b_qkv_proj": "rmsnorm",
+    "a3b_lm_head": "rmsnorm",
 }
 DEFAULT_SHAPES = [name for name in SHAPES if not name.startswith("a3b_")]
 SWEEP = [
