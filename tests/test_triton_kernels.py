@@ -512,7 +512,7 @@ def test_gemv_default_tiles_of_larger_layers_match_linear(n, k, norm):
         randn(n, k, dtype=dtype),
         randn(k, dtype=dtype),
     )
-    prologue = triton_ops.Prologue(norm_weight, 1e-6) if norm else triton_ops.gemv.Prologue()
+    prologue = triton_ops.Prologue(norm_weight, 1e-6) if norm else triton_ops.Prologue()
     want = torch_ops.rmsnorm(x, norm_weight, 1e-6) if norm else x
     want = torch.nn.functional.linear(want.float(), weight.float())
     got = triton_ops.linear(x, weight, prologue=prologue)
