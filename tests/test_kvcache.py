@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minisgl.kvcache import IntegrityError
 from minisgl.kvcache.manager import KVCacheManager
@@ -150,3 +152,43 @@ def test_a_page_freed_twice_fails_at_once_or_in_the_check() -> None:
     kv.allocator.free([held, held])  # twice in one call: the stack holds it twice
     with pytest.raises(IntegrityError, match="free twice"):
         kv.check_integrity()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "grow", "cache", "release", "flush"]),
+            st.integers(0, 3),  # the slot
+            st.lists(st.integers(0, 2), min_size=1, max_size=10),  # few ids: shared prefixes
+        ),
+        max_size=40,
+    )
+)
+def test_any_sequence_of_slot_operations_keeps_the_accounting(ops) -> None:
+    """Four slots over 16 pages of 2: prefix hits, duplicate inserts, evictions under pressure
+    and refused reservations; after every operation each page is exactly one of free, cached or
+    held (a page freed twice would raise at once), and at the end nothing has leaked."""
+    kv = make_manager(num_pages=16)
+    computed: dict[int, list[int]] = {}  # slot -> the ids its pages cover
+    for op, slot, ids in ops:
+        if op == "admit" and slot not in computed:
+            shared = kv.admit(slot, ids)
+            if kv.reserve(slot, len(ids)):
+                computed[slot] = list(ids)
+            else:  # as the scheduler does with a request it cannot start
+                kv.release(slot, ids[:shared])
+        elif op == "grow" and slot in computed and kv.reserve(slot, len(computed[slot] + ids)):
+            computed[slot] += ids
+        elif op == "cache" and slot in computed:
+            kv.cache_prefix(slot, computed[slot])
+        elif op == "release" and slot in computed:
+            kv.release(slot, computed.pop(slot))
+        elif op == "flush":
+            kv.flush_prefix_cache()
+        kv.check_integrity()
+    for slot in list(computed):
+        kv.release(slot, computed.pop(slot))
+    kv.flush_prefix_cache()  # nothing leaked: every page free again
+    assert kv.allocator.num_free == kv.num_pages
+    kv.check_integrity()
