@@ -62,6 +62,10 @@ serving() {  # serving NAME MODEL [SERVER ARGS...]: bench_serving.py at each of 
   wait
 }
 
+prefill_small() {  # MFU at 8k tokens in one request, Qwen3-0.6B shape (prefill's first row)
+  step prefill_qwen3-0.6b 180 python3 benchmark/offline/prefill.py --json "$OUT/prefill_qwen3-0.6b.json"
+}
+
 moe() {  # moe PART...: the MoE tests on CUDA, bench_moe.py, and latency.py and bench.py in
   # Qwen3-30B-A3B's shape (dummy weights), each against the floor of the experts its steps select
   local preset=benchmark/presets/qwen3-30b-a3b
@@ -114,13 +118,13 @@ for part in "$@"; do
           --model "benchmark/presets/$preset" --json "$OUT/bench_$preset.json"
       done ;;
     prefill)  # MFU at 8k tokens in one request, then the long-context row (issue 27)
-      step prefill_qwen3-0.6b 180 python3 benchmark/offline/prefill.py --json "$OUT/prefill_qwen3-0.6b.json"
+      prefill_small
       step prefill_llama-3.1-8b 180 python3 benchmark/offline/prefill.py \
         --model benchmark/presets/llama-3.1-8b --json "$OUT/prefill_llama-3.1-8b.json"
       step prefill_long 300 python3 benchmark/offline/prefill.py --model benchmark/presets/llama-3.1-8b \
         --num-requests 16 --min-len 16384 --max-len 32768 --repeats 3 --json "$OUT/prefill_long.json" ;;
     prefill-0.6b)  # the first of prefill's rows alone
-      step prefill_qwen3-0.6b 180 python3 benchmark/offline/prefill.py --json "$OUT/prefill_qwen3-0.6b.json" ;;
+      prefill_small ;;
     prefill-profile)  # the 8k-token Qwen3-0.6B prompt kernel by kernel
       step prefill_profile 180 python3 benchmark/offline/prefill.py --profile \
         --json "$OUT/prefill_profile.json" ;;

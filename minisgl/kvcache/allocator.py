@@ -37,8 +37,8 @@ class PageAllocator:
     def free(self, pages: list[int]) -> None:
         end = self._num_free + len(pages)
         require(end <= self.num_pages, f"{end} pages free, more than the pool's {self.num_pages}")
-        self._stack[self._num_free : end] = pages
-        freed = self._stack[self._num_free : end]
+        freed = np.asarray(pages, dtype=np.int64)
         require(not self._is_free[freed].any(), "a page is freed twice")
+        self._stack[self._num_free : end] = freed
         self._is_free[freed] = True
         self._num_free = end
