@@ -37,8 +37,8 @@ class EngineConfig:
     max_kv_tokens: int | None = None  # None: sized from free memory
     max_model_len: int | None = None  # None: the model's; the KV pool must hold one such request
     gpu_memory_utilization: float = 0.85  # of the GPU memory free at start-up, for weights + KV
-    attention_backend: str = "auto"  # auto: triton on cuda, torch on cpu
-    moe_backend: str = "auto"  # a MoE model's experts; auto: triton on cuda, torch on cpu
+    attention_backend: str = "auto"  # auto: the registry's default for the device
+    moe_backend: str = "auto"  # a MoE model's experts; auto: as attention_backend
     cuda_graph_max_bs: int | None = None  # None: max_running_requests on cuda; 0: off
     dummy_weights: bool = False
     tp_rank: int = 0
@@ -79,6 +79,10 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_positive(self, "chunk_size")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"overlap must be a bool, not {self.overlap!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an integer, not {self.seed!r}")
 
 
 def check_positive(config: Any, *names: str, optional: bool = False) -> None:
@@ -95,7 +99,9 @@ def split_overrides(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     """(EngineConfig fields, SchedulerConfig fields) of `overrides`; an unknown name raises."""
     engine_names = {f.name for f in fields(EngineConfig)}
     scheduler_names = {f.name for f in fields(SchedulerConfig)}
-    unknown = sorted(set(overrides) - engine_names - scheduler_names - {"model_path"})
+    if "model_path" in overrides:
+        raise ConfigError("model_path: give the model as the first argument")
+    unknown = sorted(set(overrides) - engine_names - scheduler_names)
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")
     engine = {k: v for k, v in overrides.items() if k in engine_names}
@@ -111,8 +117,15 @@ def max_seq_len(config: EngineConfig, model_positions: int) -> int:
     return wanted or model_positions
 
 
-def check_kv_capacity(kv_tokens: int, seq_len: int) -> None:
-    """Raise ValueError unless a KV cache of kv_tokens holds one request of seq_len tokens."""
+def kv_pages(kv_tokens: int, page_size: int) -> int:
+    """The pages of a KV cache asked to hold kv_tokens: rounded up to whole pages."""
+    return -(-kv_tokens // page_size)
+
+
+def check_kv_capacity(num_pages: int, page_size: int, seq_len: int) -> None:
+    """Raise ConfigError unless a KV cache of num_pages pages holds one request of seq_len
+    tokens."""
+    kv_tokens = num_pages * page_size
     if kv_tokens < seq_len:
         raise ConfigError(
             f"the KV cache holds {kv_tokens} tokens, fewer than one request of the maximum model "

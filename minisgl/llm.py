@@ -111,17 +111,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """One result dict per prompt and choice, in order: prompt i's choice j (of its params'
-        n) is result i * n + j. Bad input raises ValueError before anything runs."""
+        """One result dict per prompt and choice: prompt by prompt, each prompt's choices (its
+        params' n) in order. Bad input raises ValueError before anything runs; an exception
+        while it runs (Ctrl-C) aborts the requests it added."""
         prompt_ids = self._tokenize(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             prompt_params = [sampling_params or SamplingParams()] * len(prompt_ids)
         else:
+            if not isinstance(sampling_params, (list, tuple)):
+                raise ValueError("sampling_params must be a SamplingParams or a list of them")
             prompt_params = list(sampling_params)
             if len(prompt_params) != len(prompt_ids):
                 raise ValueError(
                     f"{len(prompt_params)} sampling params for {len(prompt_ids)} prompts"
                 )
+        if not all(isinstance(p, SamplingParams) for p in prompt_params):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them")
         add = AddRequests([], [], [])
         for prompt, p in zip(prompt_ids, prompt_params, strict=True):
             choices = choice_params(p, p.n)
@@ -139,16 +144,22 @@ class LLM:
             for prompt, rids, choices in zip(add.prompts, add.rids, add.params, strict=True)
             for rid, p in zip(rids, choices, strict=True)
         }
-        with tqdm(total=len(runs), desc="generate", disable=not use_tqdm) as bar:
-            while True:
-                now = time.perf_counter()  # when this step's tokens reached the host
-                # a stop string matched: the request ends in the next step, as in the server
-                stopped = self._apply(out, runs, now)
-                bar.update(sum(f.rid in runs for f in out.finished))
-                messages = [AbortRequest(stopped)] if stopped else []
-                if not messages and not self.scheduler.has_work:
-                    break
-                out = self._worker.step(messages)
+        try:
+            with tqdm(total=len(runs), desc="generate", disable=not use_tqdm) as bar:
+                while True:
+                    now = time.perf_counter()  # when this step's tokens reached the host
+                    # a stop string matched: the request ends in the next step, as in the server
+                    stopped = self._apply(out, runs, now)
+                    bar.update(sum(f.rid in runs for f in out.finished))
+                    messages = [AbortRequest(stopped)] if stopped else []
+                    if not messages and not self.scheduler.has_work:
+                        break
+                    out = self._worker.step(messages)
+        except BaseException:
+            # the next call must not run these requests to their end first
+            unfinished = [rid for rid, run in runs.items() if run.result["finish_reason"] is None]
+            self._worker.step([AbortRequest(unfinished)])
+            raise
         return [runs[rid].result for rid in itertools.chain(*add.rids)]
 
     def reset_prefix_cache(self) -> None:

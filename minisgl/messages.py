@@ -7,6 +7,8 @@
     │  └───────────── Ready ───────────────────┘     └──────────── Ready ───────────────────┘ │ │
     └─ Heartbeat, TextOutputs ─ detokenize thread ◀─ Heartbeat, StepOutputs ────────────────┘ │
   scheduler ranks 1..tp-1 ◀── each step's list[AddRequests | AbortRequest] (gloo) ────────────┘
+  API server ─TokenizerQuery─▶ tokenize thread ─TokenizerAnswer─▶ API server (/tokenize, echo)
+  offline LLM (in the scheduler's process) ─AddRequests, AbortRequest, FlushPrefixCache─▶ rank 0
 
 Every socket is bound by the process that reads it; the processes that write to it connect. A
 step's outputs travel as one message of columns (a row per request that got a token), and what
@@ -62,13 +64,6 @@ class AbortRequest:
 
 @_wire
 @dataclass
-class FlushPrefixCache:
-    """Evict every cached prefix no request holds (SGLang's /flush_cache, vLLM's
-    reset_prefix_cache); on every TP rank in the same turn, so their pools stay alike."""
-
-
-@_wire
-@dataclass
 class TokenizerQuery:
     """/tokenize (a text, or a chat through the template) or /detokenize (ids), answered by the
     tokenize thread with a TokenizerAnswer of the same qid."""
@@ -89,6 +84,14 @@ class TokenizerAnswer:
 
 
 # ---------------------------------------------------------------------- tokenizer -> scheduler
+@_wire
+@dataclass
+class FlushPrefixCache:
+    """Evict every cached prefix no request holds (SGLang's /flush_cache, vLLM's
+    reset_prefix_cache); sent by the offline LLM only, and run on every TP rank in the same
+    turn, so their pools stay alike."""
+
+
 @_wire
 @dataclass
 class AddRequests:
@@ -191,8 +194,9 @@ class TextLogprobs:
 @_wire
 @dataclass
 class TextOutputs:
-    """What became final text this step: for each of `rids` the new text and how many tokens
-    it came from (0 when every new token was held back or cut by a stop string)."""
+    """What became final text this step: for each of `rids` the new text (empty while it is held
+    back) and the tokens it came from: 1 a sampled token, 0 for text flushed when the request
+    ended without one."""
 
     rids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)

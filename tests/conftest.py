@@ -13,12 +13,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import transformers
 
 from minisgl.utils import DEFAULT_MODEL_PATH
+
+if TYPE_CHECKING:
+    from minisgl import LLM
 
 DEVICE = os.environ.get("MINISGL_TEST_DEVICE", "cpu")
 # where TP 2 runs: on two GPUs (NCCL) when the suite runs on CUDA and has them, else on the CPU
@@ -157,6 +161,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+@pytest.fixture(scope="module")
+def stories_llm() -> "LLM":
+    """The offline engine on the embedded stories260K model, fp32: a module's reference."""
+    from minisgl import LLM  # after TRITON_INTERPRET is set, above
+
+    return LLM(device=DEVICE, dtype="float32", max_kv_tokens=2048)
+
+
 @pytest.fixture(scope="session")
 def qwen3_path(checkpoint) -> str:
     """A small random Qwen3 with the real Qwen3 tokenizer (chat template, multi-byte text)."""
@@ -191,20 +203,26 @@ def hf_greedy(
 @torch.no_grad()
 def hf_top2_gap(model: transformers.PreTrainedModel, ids: list[int]) -> float:
     """HF's gap between the two largest next-token logits after `ids` (near-tie evidence)."""
-    logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
     top2 = logits.topk(2).values
     return float(top2[0] - top2[1])
 
 
 def assert_same_or_near_tie(
-    model: transformers.PreTrainedModel, prompt_ids: list[int], got: list[int], want: list[int]
+    model: transformers.PreTrainedModel,
+    prompt_ids: list[int],
+    got: list[int],
+    want: list[int],
+    tol: float = 1e-4,
 ) -> None:
-    """Equal token by token, or the first difference is a near-tie in HF's own logits (< 1e-4)."""
+    """Equal token by token, or the first difference is a near-tie in HF's own logits (< tol:
+    fp32's 1e-4 by default)."""
     if got == want:
         return
     i = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
     gap = hf_top2_gap(model, prompt_ids + want[:i])
-    assert gap < 1e-4, (
+    assert gap < tol, (
         f"first difference at token {i}: got {got[i]}, want {want[i]}, top-2 gap {gap}"
     )
 

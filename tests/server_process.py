@@ -68,6 +68,11 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def process_name(pid: int) -> str:
+    """The name a process goes by (its /proc/<pid>/comm): minisgl names each child."""
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -158,13 +163,13 @@ class ServerProcess:
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop the server as a terminal's Ctrl-C would (SIGINT to the whole session) or as a
         process manager would (SIGTERM to the launcher alone); check that it exits with 0 and
-        leaves no child and no ipc file."""
-        if self.proc.poll() is not None:
-            return
-        if signum == signal.SIGINT:
-            os.killpg(self.proc.pid, signum)
-        else:
-            self.proc.send_signal(signum)
+        leaves no child and no ipc file. A launcher that had already exited must have done so
+        cleanly too."""
+        if self.proc.poll() is None:
+            if signum == signal.SIGINT:
+                os.killpg(self.proc.pid, signum)
+            else:
+                self.proc.send_signal(signum)
         assert self.wait_exit(timeout=30) == 0, self.log()
 
     def wait_exit(self, timeout: float) -> int:

@@ -1,8 +1,13 @@
 """Bad input gets a clear ValueError, and the engine serves the next request normally."""
 
+import json
+import signal
+import threading
+
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.core import StructuredOutput
 
 from .conftest import DEVICE
 
@@ -63,6 +68,11 @@ def test_bad_prompt_raises_and_engine_keeps_serving(
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"seed": 2**64}, "seed"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {1: 1.0, "a": 2.0}}, "logit_bias"),
+        ({"stop": 123}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"structured": StructuredOutput(json_object=True), "n": 0}, "n must"),
     ],
 )
 def test_bad_sampling_params_raise(llm: LLM, expected: list[int], params: dict, match: str) -> None:
@@ -71,6 +81,66 @@ def test_bad_sampling_params_raise(llm: LLM, expected: list[int], params: dict, 
     assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
 
 
-def test_mismatched_params_list_raises(llm: LLM) -> None:
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"choice": "yes"}, "choice"),  # a string would be its letters
+        ({"regex": 3}, "regex"),
+        ({"json_object": 1}, "json_object"),
+        ({"json_schema": {"type": "object"}, "regex": "a"}, "exactly one"),
+    ],
+)
+def test_bad_structured_outputs_raise(fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StructuredOutput(**fields)
+
+
+def test_a_schema_given_as_an_object_is_taken_as_its_json() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert json.loads(StructuredOutput(json_schema=schema).json_schema) == schema
+
+
+def test_mismatched_params_list_raises(llm: LLM, expected: list[int]) -> None:
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate([GOOD], [GREEDY, GREEDY], use_tqdm=False)
+    assert not llm.scheduler.has_work
+    assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+    llm.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("params", [{"max_tokens": 4}, [{"max_tokens": 4}], [GREEDY, None]])
+def test_params_that_are_no_sampling_params_raise(llm: LLM, expected: list[int], params) -> None:
+    prompts = [GOOD] * (len(params) if isinstance(params, list) else 1)
+    with pytest.raises(ValueError, match="must be a SamplingParams"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.scheduler.has_work
+    assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+
+
+def test_an_interrupted_generate_aborts_its_requests(llm: LLM, expected: list[int]) -> None:
+    """Ctrl-C in generate leaves nothing running: the next call does not first finish it."""
+    long = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+    timer = threading.Timer(0.2, signal.raise_signal, (signal.SIGINT,))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([GOOD] * 4, long, use_tqdm=False)  # ~1 s on 2 cores
+    timer.join()
+    assert not llm.scheduler.has_work
+    llm.scheduler.check_integrity()
+    assert llm.scheduler.kv.used_pages == len(llm.scheduler.kv.prefix_cache.cached_pages())
+    assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+
+
+def test_the_model_path_is_the_first_argument_only(checkpoint) -> None:
+    with pytest.raises(ValueError, match="model_path"):
+        LLM(str(checkpoint("llama")), model_path=str(checkpoint("llama")), device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [({"cache": "radx"}, "unknown prefix cache"), ({"overlap": "false"}, "overlap"),
+     ({"seed": 1.5}, "seed")],
+)  # fmt: skip
+def test_bad_scheduler_settings_fail_before_the_model_loads(checkpoint, settings, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        LLM(str(checkpoint("llama")), device=DEVICE, **settings)

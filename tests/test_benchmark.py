@@ -104,7 +104,9 @@ def test_bench_reports_the_workload_tokens(checkpoint) -> None:
         2,
         2 * round(statistics.mean(workload.output_lens)),
     )
-    assert floor["%_of_floor"] == pytest.approx(100)
+    # nothing outruns the floor: it reads only the bytes a step must read, at the copy bandwidth
+    assert 0 < ours["output_tok_s"] < floor["output_tok_s"]
+    assert ours["%_of_floor"] == pytest.approx(100 * ours["output_tok_s"] / floor["output_tok_s"])
     assert result["profile"]["kernels"]
 
 
@@ -149,7 +151,8 @@ def test_prefill_counts_every_prompt_token(checkpoint) -> None:
     ours, peak = result["rows"]
     workload = make_workload(3, 20, 40, vocab_size=512)
     assert ours["prompt_tokens"] == peak["prompt_tokens"] == workload.prompt_tokens
-    assert ours["MFU_%"] > 0 and peak["MFU_%"] == 100
+    # MFU is the same FLOPs over our seconds against the peak's
+    assert 0 < ours["MFU_%"] == pytest.approx(100 * peak["seconds"] / ours["seconds"])
     # the last run profiled: its ops, and its steps (the three prompts, one token each)
     assert result["profile"]["kernels"] and result["profile"]["per_step"]["steps"] >= 1
 

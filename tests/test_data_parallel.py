@@ -20,7 +20,7 @@ import pytest
 
 from minisgl.utils import DEFAULT_MODEL_PATH
 
-from .server_process import ServerProcess, read_metrics, wait_for
+from .server_process import ServerProcess, process_name, read_metrics, wait_for
 
 MODEL = "stories"
 API_KEY = "dp-key"
@@ -168,6 +168,11 @@ def test_a_killed_replica_fails_only_its_streams_in_flight(tmp_path: Path) -> No
     # core behind its streams, once took 5.6 s to answer)
     server = _start(tmp_path, "--max-kv-tokens", "8192", "--router-policy", "round_robin")
     alive, _ = _replica_urls(server)
+    broken = (
+        'minisgl_requests_total{finish_reason="abort"}',
+        'minisgl_requests_total{finish_reason="error"}',
+    )
+    broken_before = [read_metrics(alive, server.headers).get(name, 0.0) for name in broken]
     rng = random.Random(2)
     prompts = [_text(rng, 6) for _ in range(STREAMS)]
     started: dict[int, float] = {}
@@ -195,7 +200,7 @@ def test_a_killed_replica_fails_only_its_streams_in_flight(tmp_path: Path) -> No
         while len(ended) < STREAMS // 4 or len(started) - len(ended) < AT_ONCE:
             assert len(started) < STREAMS, "the streams ran out before a quarter had ended"
             await asyncio.sleep(0.01)
-        replica_1 = [p for p in server.children if Path(f"/proc/{p}/comm").read_text()[:3] == "r1-"]
+        replica_1 = [p for p in server.children if process_name(p).startswith("r1-")]
         for pid in replica_1:
             with contextlib.suppress(ProcessLookupError):  # the launcher stops the rest itself
                 os.kill(pid, signal.SIGKILL)
@@ -213,6 +218,10 @@ def test_a_killed_replica_fails_only_its_streams_in_flight(tmp_path: Path) -> No
         failed = {i for i, (_, error) in ended.items() if error is not None}
         in_flight = {i for i, t in started.items() if t < kill < ended[i][0]}
         assert failed <= in_flight, {i: ended[i][1] for i in failed - in_flight}
+        # and none of replica 0's: it neither aborted nor failed a request
+        assert [
+            read_metrics(alive, server.headers).get(name, 0.0) for name in broken
+        ] == broken_before
         print(f"{len(failed)} of the {len(in_flight)} streams in flight at the kill broke off")
         wait_for(lambda: _router_workers(server) == [alive], 30, "the router still has replica 1")
         assert server.proc.poll() is None and "minisgl: replica 1 stopped" in server.log()

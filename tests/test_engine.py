@@ -201,6 +201,25 @@ def test_requests_in_one_batch_share_a_prefix_computed_earlier_in_the_same_call(
     assert outs[0]["cached_tokens"] == 0 and all(o["cached_tokens"] == 64 for o in outs[1:])
 
 
+def test_a_prompt_whose_last_chunk_is_one_token_is_shared_once_computed(model_path) -> None:
+    """A request arriving while the first decodes finds its whole prompt cached, though the
+    first prompt's last step computed one token."""
+    llm = LLM(str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=2048, chunk_size=64)
+    scheduler = llm.scheduler
+    prompt = [(5 * i) % 500 + 1 for i in range(65)]  # a chunk of 64, then one token
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    scheduler.add_requests([(0, prompt, sp)])
+    for _ in range(3):
+        scheduler.step()
+    assert 0 in {r.rid for r in scheduler.running}  # still decoding
+    scheduler.add_requests([(1, prompt, sp)])
+    finished = {}
+    while scheduler.has_work:
+        finished.update((f.rid, f) for f in scheduler.step().finished)
+    assert finished[1].cached_tokens == 64  # all but the token it must compute
+    scheduler.check_integrity()
+
+
 def test_preemption_when_the_pool_is_too_small_keeps_outputs(
     model_path, workload, reference
 ) -> None:
@@ -229,10 +248,22 @@ def test_preemption_with_naive_cache_recomputes_from_scratch(
 
 
 def test_max_running_requests_bounds_the_batch(model_path, workload, reference) -> None:
+    """No step admits or runs more than 3 requests, some run 3, and the outputs are unchanged."""
     prompts, params = workload
     llm = LLM(
         str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=16384, max_running_requests=3
     )
+    scheduler = llm.scheduler
+    scheduler.add_requests(
+        [(rid, p, sp) for rid, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    )
+    sizes = []
+    while scheduler.has_work:
+        scheduler.step()
+        assert len(scheduler.running) <= 3
+        if scheduler._in_flight:
+            sizes.append(scheduler._in_flight.batch.size)
+    assert max(sizes) == 3, sizes
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert_matches_reference(model_path, workload, reference, outputs)
 

@@ -18,7 +18,7 @@ from minisgl.moe.base import Routing
 from minisgl.moe.torch_backend import TorchMoE
 from minisgl.moe.triton_backend import TritonMoE
 
-from .conftest import DEVICE, QWEN3_TOKENIZER, hf_model
+from .conftest import DEVICE, QWEN3_TOKENIZER, assert_same_or_near_tie, hf_model
 
 pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="needs MINISGL_TEST_DEVICE=cuda")
 
@@ -29,13 +29,7 @@ BF16_NEAR_TIE = 0.25
 
 def assert_equal_or_near_tie(hf, prompts, got, want) -> None:
     for prompt, a, b in zip(prompts, got, want, strict=True):
-        if a == b:
-            continue
-        i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + b[:i]], device=hf.device)).logits[0, -1]
-        top2 = logits.topk(2).values
-        assert float(top2[0] - top2[1]) < BF16_NEAR_TIE, f"token {i}: {a[i]} vs {b[i]}"
+        assert_same_or_near_tie(hf, prompt, a, b, tol=BF16_NEAR_TIE)
 
 
 def test_bf16_fast_paths_agree_with_the_bf16_reference(checkpoint) -> None:

@@ -2,12 +2,14 @@
 
 import pytest
 import torch
+from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
+from minisgl.config import ConfigError
 from minisgl.distributed import set_tp_info
 from minisgl.kernel import torch_ops
-from minisgl.layers import BaseOP, OPList, StateLessOP, get_rope, set_rope_device
+from minisgl.layers import BaseOP, OPList, StateLessOP, get_rope
 from minisgl.layers.linear import LinearRowParallel
 from minisgl.models import CausalLM, ModelConfig
 from minisgl.models.decoder import DecoderLayer
@@ -73,9 +75,8 @@ def test_wrong_shape_names_the_tensor() -> None:
 
 def test_meta_build_costs_no_memory_then_loads() -> None:
     config = ModelConfig.from_hf(cached_load_hf_config(QWEN3_TOKENIZER))
-    set_rope_device(torch.device("cpu"))
     with torch.device("meta"), torch_dtype(torch.bfloat16):
-        layer = DecoderLayer(config, 0, TorchMoE())
+        layer = DecoderLayer(config, 0, TorchMoE(), torch.device("cpu"))
     state = layer.state_dict(prefix="model.layers.0")
     assert {t.device.type for t in state.values()} == {"meta"}
     assert state["model.layers.0.self_attn.qkv_proj.weight"].shape == (4096, 1024)
@@ -86,18 +87,27 @@ def test_meta_build_costs_no_memory_then_loads() -> None:
     assert layer.self_attn.qkv_proj.weight.device.type == "cpu"
 
 
-def test_rope_needs_a_real_device_for_meta_builds() -> None:
-    set_rope_device(None)  # type: ignore[arg-type]
-    with torch.device("meta"), pytest.raises(RuntimeError, match="set_rope_device"):
-        get_rope(16, 64, 1234.5)
-    set_rope_device(torch.device("cpu"))
+def test_an_unsupported_rope_scaling_fails_in_the_config() -> None:
+    """Before anything is built (the server's preflight reads the config)."""
+    hf = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=4096,
+        rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048},
+        architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="unsupported rope_scaling type 'yarn'"):
+        ModelConfig.from_hf(hf)
+
+
+def test_a_meta_build_puts_the_rope_table_on_the_given_device() -> None:
+    with torch.device("meta"):
+        rope = get_rope(16, 64, 1234.5, None, torch.device("cpu"))
+    assert rope._cos_sin_cache.device.type == "cpu" and rope._cos_sin_cache.shape == (64, 16)
 
 
 def test_tied_lm_head_has_no_weight_of_its_own() -> None:
     config = ModelConfig.from_hf(cached_load_hf_config(QWEN3_TOKENIZER))
-    set_rope_device(torch.device("cpu"))
     with torch.device("meta"):
-        model = CausalLM(config, TorchMoE())
+        model = CausalLM(config, TorchMoE(), torch.device("cpu"))
     names = model.state_dict()
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
 
@@ -166,16 +176,14 @@ def test_row_parallel_linear_returns_partial_sums_when_split(monkeypatch) -> Non
     ],
 )
 def test_rope_matches_hf_exactly(scaling: dict | None) -> None:
-    from transformers import LlamaConfig
-
     head_dim, theta, max_pos = 128, 500000.0, 4096
     hf_config = LlamaConfig(
         hidden_size=16 * head_dim, num_attention_heads=16, max_position_embeddings=max_pos,
         rope_theta=theta, rope_scaling=scaling,
     )  # fmt: skip
     hf_rope = LlamaRotaryEmbedding(hf_config)
-    set_rope_device(torch.device("cpu"))
-    rope = get_rope(head_dim, max_pos, theta, tuple(sorted(scaling.items())) if scaling else None)
+    scaled = tuple(sorted(scaling.items())) if scaling else None
+    rope = get_rope(head_dim, max_pos, theta, scaled, torch.device("cpu"))
     torch.manual_seed(0)
     pos = torch.tensor([0, 7, 100, 4095])
     q, k = torch.randn(4, 16 * head_dim), torch.randn(4, 8 * head_dim)

@@ -5,7 +5,6 @@ Hugging Face's own, min_tokens and logit_bias against the unprocessed run's top 
 from collections import Counter
 
 import numpy as np
-import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
@@ -15,7 +14,7 @@ from minisgl.kernel.torch_ops import inverse_cdf
 from minisgl.scheduler.batch_builder import build_batch
 from minisgl.utils import DEFAULT_MODEL_PATH
 
-from .conftest import DEVICE, hf_model
+from .conftest import hf_model
 
 VOCAB = 50
 LAYOUT = EngineLayout(
@@ -113,14 +112,9 @@ def test_a_batch_without_processors_keeps_the_in_step_sampling() -> None:
     assert args.processors is None and not args.after_step
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(DEFAULT_MODEL_PATH, device=DEVICE, dtype="float32", max_kv_tokens=2048)
-
-
-def test_repetition_penalty_equals_hugging_faces(llm: LLM) -> None:
+def test_repetition_penalty_equals_hugging_faces(stories_llm: LLM) -> None:
     model = hf_model(DEFAULT_MODEL_PATH)
-    prompt = llm.tokenizer.encode("Once upon a time, there was a little")
+    prompt = stories_llm.tokenizer.encode("Once upon a time, there was a little")
     with torch.no_grad():
         hf = model.generate(
             torch.tensor([prompt], device=model.device), max_new_tokens=40, do_sample=False,
@@ -129,15 +123,17 @@ def test_repetition_penalty_equals_hugging_faces(llm: LLM) -> None:
         )[0, len(prompt):].tolist()  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3)
     plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    got, unpenalised = llm.generate([prompt, prompt], [params, plain], use_tqdm=False)
+    got, unpenalised = stories_llm.generate([prompt, prompt], [params, plain], use_tqdm=False)
     assert got["token_ids"] == hf
     assert got["token_ids"] != unpenalised["token_ids"]
 
 
-def test_min_tokens_holds_back_stop_tokens_and_logit_bias_moves_the_argmax(llm: LLM) -> None:
-    prompt = llm.tokenizer.encode("Once upon a time")
+def test_min_tokens_holds_back_stop_tokens_and_logit_bias_moves_the_argmax(
+    stories_llm: LLM,
+) -> None:
+    prompt = stories_llm.tokenizer.encode("Once upon a time")
     greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
-    free = llm.generate([prompt], greedy, use_tqdm=False)[0]
+    free = stories_llm.generate([prompt], greedy, use_tqdm=False)[0]
     stop = free["token_ids"][5]
     k = free["token_ids"].index(stop)  # where that stop token would end the text
     held = SamplingParams(
@@ -146,7 +142,7 @@ def test_min_tokens_holds_back_stop_tokens_and_logit_bias_moves_the_argmax(llm: 
     first = free["token_ids"][0]
     bias = SamplingParams(temperature=0, max_tokens=3, logit_bias={first: -100})
     stopped = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])
-    got_held, got_bias, got_stopped = llm.generate(
+    got_held, got_bias, got_stopped = stories_llm.generate(
         [prompt] * 3, [held, bias, stopped], use_tqdm=False
     )
     assert len(got_stopped["token_ids"]) == k + 1 and got_stopped["finish_reason"] == "stop"
@@ -155,15 +151,15 @@ def test_min_tokens_holds_back_stop_tokens_and_logit_bias_moves_the_argmax(llm: 
     assert got_held["token_ids"][k] == second
     assert stop not in got_held["token_ids"][: k + 3]
     assert got_bias["token_ids"][0] == free["logprobs"][0]["top_logprobs"][1]["token_id"]
-    llm.scheduler.check_integrity()
+    stories_llm.scheduler.check_integrity()
 
 
-def test_n_gives_a_choice_per_derived_seed_offline(llm: LLM) -> None:
+def test_n_gives_a_choice_per_derived_seed_offline(stories_llm: LLM) -> None:
     params = SamplingParams(n=3, seed=5, max_tokens=16, temperature=1.5)
-    results = llm.generate(["Once", "Lily"], params, use_tqdm=False)
+    results = stories_llm.generate(["Once", "Lily"], params, use_tqdm=False)
     assert len(results) == 6
     for j, choice in enumerate(choice_params(params, 3)):
-        alone = llm.generate(["Lily"], choice, use_tqdm=False)[0]
+        alone = stories_llm.generate(["Lily"], choice, use_tqdm=False)[0]
         assert results[3 + j]["token_ids"] == alone["token_ids"]
     assert choice_params(params, 3)[0].seed == 5  # choice 0 keeps the seed
     assert len({tuple(r["token_ids"]) for r in results[3:]}) > 1

@@ -13,7 +13,6 @@ import transformers
 from minisgl import LLM, SamplingParams
 from minisgl.config import ConfigError
 from minisgl.distributed import TPInfo, set_tp_info
-from minisgl.layers import set_rope_device
 from minisgl.models import CausalLM, ModelConfig
 from minisgl.models.weights import load_weights
 from minisgl.moe import MOE_BACKENDS
@@ -129,10 +128,9 @@ def _load(path: Path, tp: TPInfo) -> dict[str, torch.Tensor]:
     """Rank tp.rank's weights, as the engine loads them."""
     config = ModelConfig.from_hf(cached_load_hf_config(path))
     set_tp_info(tp.rank, tp.size)
-    set_rope_device(torch.device("cpu"))
     try:
         with torch.device("meta"):
-            model = CausalLM(config, TorchMoE())
+            model = CausalLM(config, TorchMoE(), torch.device("cpu"))
     finally:
         set_tp_info(0, 1)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}

@@ -178,16 +178,11 @@ def test_logprobs_are_the_models_log_softmax(llm: LLM, checkpoint) -> None:
     assert [t["token_id"] for t in first["top_logprobs"]] == want.topk(5).indices.tolist()
 
 
-@pytest.fixture(scope="module")
-def stories() -> LLM:
-    return LLM(device=DEVICE, dtype="float32", max_kv_tokens=2048)
-
-
 GREEDY_TEXT = ", there was a little girl named Lily. She loved to play outside in the park."
 
 
-def test_stop_string_ends_generation_and_is_not_in_the_text(stories: LLM) -> None:
-    out = stories.generate(
+def test_stop_string_ends_generation_and_is_not_in_the_text(stories_llm: LLM) -> None:
+    out = stories_llm.generate(
         "Once upon a time",
         SamplingParams(temperature=0, max_tokens=64, stop=["Lily", "zebra"]),
         use_tqdm=False,
@@ -196,13 +191,13 @@ def test_stop_string_ends_generation_and_is_not_in_the_text(stories: LLM) -> Non
     assert out["text"] == ", there was a little girl named "
 
 
-def test_stop_token_id_ends_generation(stories: LLM) -> None:
-    full = stories.generate(
+def test_stop_token_id_ends_generation(stories_llm: LLM) -> None:
+    full = stories_llm.generate(
         "Once upon a time", SamplingParams(temperature=0, max_tokens=32), use_tqdm=False
     )[0]
     stop_id = full["token_ids"][6]  # first occurrence is at index 6
     assert stop_id not in full["token_ids"][:6]
-    out = stories.generate(
+    out = stories_llm.generate(
         "Once upon a time",
         SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop_id]),
         use_tqdm=False,

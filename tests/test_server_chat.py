@@ -10,6 +10,7 @@ from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import DEVICE
 from .server_process import ServerProcess
+from .stress.checks import assert_clean
 
 MAX_KV_TOKENS = 512  # also the context: the random Qwen3 knows 1024 positions
 MESSAGES = [
@@ -122,6 +123,7 @@ def test_chat_errors(server: ServerProcess, qwen3_path: str) -> None:
     def post(body: dict) -> httpx.Response:
         return server.post("/v1/chat/completions", json={"model": qwen3_path, **body})
 
+    before = server.metrics()
     assert post({"messages": []}).status_code == 400
     assert post({"messages": [{"role": "wizard", "content": "hi"}]}).status_code == 400
     assert post({"messages": MESSAGES, "top_logprobs": 2}).status_code == 400
@@ -129,6 +131,7 @@ def test_chat_errors(server: ServerProcess, qwen3_path: str) -> None:
     response = post({"messages": too_long, "stream": True})
     assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
     assert post({"messages": MESSAGES, "max_tokens": 1}).status_code == 200
+    assert_clean(server, before, qwen3_path)
 
 
 def test_chat_template_bos_is_not_doubled() -> None:

@@ -7,9 +7,7 @@ import openai
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.utils import DEFAULT_MODEL_PATH
 
-from .conftest import DEVICE
 from .server_process import ServerProcess
 
 PROMPT = "Once upon a time"
@@ -20,11 +18,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     s = ServerProcess(tmp_path_factory.mktemp("fields"), "--served-model-name", "m")
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(DEFAULT_MODEL_PATH, device=DEVICE, dtype="float32", max_kv_tokens=2048)
 
 
 def _text(server: ServerProcess, **fields) -> openai.types.CompletionChoice:
@@ -47,29 +40,35 @@ _EXTRA = {"repetition_penalty", "min_tokens", "include_stop_str_in_output", "top
         {"presence_penalty": -0.5, "frequency_penalty": 0.7, "repetition_penalty": 0.8},
     ],
 )
-def test_penalties_change_the_text_as_offline(server: ServerProcess, llm: LLM, fields) -> None:
-    want = llm.generate(
+def test_penalties_change_the_text_as_offline(
+    server: ServerProcess, stories_llm: LLM, fields
+) -> None:
+    want = stories_llm.generate(
         [PROMPT], SamplingParams(temperature=0, max_tokens=40, **fields), use_tqdm=False
     )[0]
-    plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    plain = stories_llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False
+    )
     assert want["token_ids"] != plain[0]["token_ids"]
     assert _text(server, max_tokens=40, **fields).text == want["text"]
 
 
-def test_logit_bias_and_min_tokens_as_offline(server: ServerProcess, llm: LLM) -> None:
-    token = llm.tokenizer.encode(" dog", add_special_tokens=False)[-1]
+def test_logit_bias_and_min_tokens_as_offline(server: ServerProcess, stories_llm: LLM) -> None:
+    token = stories_llm.tokenizer.encode(" dog", add_special_tokens=False)[-1]
     forced = _text(server, max_tokens=5, logit_bias={str(token): 100})
     offline = SamplingParams(temperature=0, max_tokens=5, logit_bias={token: 100})
-    want_forced = llm.generate([PROMPT], offline, use_tqdm=False)[0]
+    want_forced = stories_llm.generate([PROMPT], offline, use_tqdm=False)[0]
     assert want_forced["token_ids"] == [token] * 5
     assert forced.text == want_forced["text"]
-    eos = llm.tokenizer.eos_token_id
-    free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=300), use_tqdm=False)
+    eos = stories_llm.tokenizer.eos_token_id
+    free = stories_llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=300), use_tqdm=False
+    )
     free_ids = free[0]["token_ids"]
     # eos is held back: with a stop token from the text instead, which would end it at once
     stop = free_ids[2]
     held = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop], min_tokens=10)
-    want = llm.generate([PROMPT], held, use_tqdm=False)[0]
+    want = stories_llm.generate([PROMPT], held, use_tqdm=False)[0]
     got = server.client().completions.create(
         model="m", prompt=PROMPT, temperature=0, max_tokens=20,
         extra_body={"min_tokens": 10, "stop_token_ids": [stop]},
@@ -100,12 +99,12 @@ def test_stop_strings_wait_for_min_tokens(server: ServerProcess) -> None:
 
 
 def test_echo_prepends_the_prompt_text_and_token_prompts_decode(
-    server: ServerProcess, llm: LLM
+    server: ServerProcess, stories_llm: LLM
 ) -> None:
     plain = _text(server, max_tokens=6)
     echoed = _text(server, max_tokens=6, echo=True)
     assert echoed.text == PROMPT + plain.text
-    ids = llm.tokenizer.encode(PROMPT)
+    ids = stories_llm.tokenizer.encode(PROMPT)
     by_ids = server.client().completions.create(
         model="m", prompt=ids, temperature=0, max_tokens=6, echo=True
     )
@@ -162,3 +161,36 @@ def test_sglangs_fields_are_served_with_minisgls_values_and_refused_with_others(
         for name, value in fields.items():
             refused = server.post(route, json={**body, name: not value})
             assert refused.status_code == 400 and name in refused.json()["error"]["message"]
+
+
+def test_chat_min_tokens_without_max_tokens_runs_past_the_completions_default(
+    server: ServerProcess,
+) -> None:
+    """An omitted chat max_tokens is the rest of the context, so min_tokens may exceed 16."""
+    r = server.post(
+        "/v1/chat/completions",
+        json={
+            "model": "m", "messages": [{"role": "user", "content": PROMPT}], "min_tokens": 40,
+            "temperature": 0,
+        },
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 40
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
+        ({"response_format": {"type": "text", "json_schema": {"schema": {}}}}, "json_schema"),
+        (
+            {"response_format": {"type": "json_object", "json_schema": {"schema": {}}}},
+            "json_schema",
+        ),
+    ],
+)
+def test_fields_that_would_be_ignored_are_refused(server: ServerProcess, fields, named) -> None:
+    """OpenAI refuses stream_options without streaming; a schema only counts for json_schema."""
+    r = server.post("/v1/completions", json={"model": "m", "prompt": PROMPT, **fields})
+    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text

@@ -16,6 +16,7 @@ from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 
 from .conftest import QWEN3_TOKENIZER
 from .server_process import ServerProcess
+from .stress.checks import assert_clean
 
 MAX_KV_TOKENS = 1024  # also the context: the random Qwen3 knows 1024 positions
 NO_THINKING = {"enable_thinking": False}
@@ -242,6 +243,8 @@ def test_a_named_tool_choice_always_gives_that_call(server: ServerProcess, strea
 
 
 def test_tool_requests_that_cannot_be_served_are_refused(server: ServerProcess) -> None:
+    before = server.metrics()
+
     def error(**body: Any) -> str:
         response = server.post(
             "/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2, **body}
@@ -263,6 +266,7 @@ def test_tool_requests_that_cannot_be_served_are_refused(server: ServerProcess) 
         "messages": QUESTION, "max_tokens": 200, "tools": [strict], "tool_choice": "required",
     })  # fmt: skip
     assert response.status_code == 200, response.text
+    assert_clean(server, before, None)
 
 
 def test_client_json_keys_cross_the_wire_unchanged() -> None:

@@ -22,6 +22,7 @@ from minisgl.tokenizer.loader import load_tokenizer
 
 from .conftest import DEVICE
 from .server_process import ServerProcess
+from .stress.checks import assert_clean
 
 MAX_KV_TOKENS = 1024  # also the context: the random Qwen3 knows 1024 positions
 SCHEMAS = [
@@ -143,6 +144,7 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_serves_on(
     server: ServerProcess,
 ) -> None:
     client = server.client()
+    before = server.metrics()
     with pytest.raises(openai.BadRequestError, match="invalid structured output"):
         client.completions.create(
             model="q", prompt="x", max_tokens=5, extra_body={"structured_outputs": {"regex": "("}}
@@ -154,6 +156,7 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_serves_on(
         )  # fmt: skip
     ok = client.completions.create(model="q", prompt="x", max_tokens=5)
     assert ok.usage.completion_tokens >= 1
+    assert_clean(server, before, "q")  # no page leaked
 
 
 def _vocab(qwen3_path: str) -> dict[str, int]:

@@ -475,6 +475,28 @@ def test_greedy_sample_takes_the_first_maximum_and_writes_the_table(dtype):
         assert tokens[:3].tolist() == [10, 4100, vocab - 1]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_with_nan_or_inf_takes_the_references_token(dtype):
+    """NaN is above any number (the first NaN wins, in a later chunk too, over an earlier +inf);
+    +inf above the rest; sampled rows of such logits take that token as well."""
+    torch.manual_seed(0)
+    rows, vocab = 6, 9000  # three chunks
+    logits = randn(rows, vocab, dtype=dtype)
+    logits[0, [7000, 8000]] = float("nan")
+    logits[0, 100] = float("inf")
+    logits[1, [4100, 20]] = float("nan")
+    logits[2, [5000, 300]] = float("inf")
+    logits[3, :] = float("-inf")
+    logits[3, 8999] = 1.0
+    logits[4, 4096] = float("nan")  # alone in its chunk's first position
+    entries = torch.arange(rows, dtype=torch.int32, device=DEVICE)
+    temperatures = torch.tensor([0.0, 0.7, 0.0, 0.7, 0.7, 0.0], device=DEVICE)
+    uniforms = torch.rand(rows, device=DEVICE).clamp(1e-3, 1 - 1e-3)
+    for sampling in ((), (temperatures, uniforms)):
+        tokens = sample_both(logits, entries, *sampling)
+        assert tokens[:5].tolist() == [7000, 20, 300, 8999, 4096]
+
+
 @pytest.mark.parametrize("with_writes", [False, True])
 def test_read_tables_applies_the_writes_before_reading(with_writes):
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.attention.base import AttentionBackend
-from minisgl.config import ConfigError, EngineConfig, check_kv_capacity, max_seq_len
+from minisgl.config import ConfigError, EngineConfig, check_kv_capacity, kv_pages, max_seq_len
 from minisgl.core import Batch, BatchInputs, EngineLayout
 from minisgl.distributed import broadcast, set_tp_info
 from minisgl.kernel import sample_tokens
@@ -153,8 +153,8 @@ class Engine:
             t = torch.tensor([tokens], device=self.device if self.device.type == "cuda" else "cpu")
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             tokens = int(t.item())
-        num_pages = -(-tokens // c.page_size)
-        check_kv_capacity(num_pages * c.page_size, seq_len)
+        num_pages = kv_pages(tokens, c.page_size)
+        check_kv_capacity(num_pages, c.page_size, seq_len)
         return KVPool(
             mc.num_layers, num_pages, c.page_size, self.num_kv_heads, mc.head_dim, self.dtype,
             self.device,

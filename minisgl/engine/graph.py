@@ -142,7 +142,8 @@ class GraphRunner:
             self._sampling.zero_()
             self._sampling_is_zero = True
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        image = self._images[padded].copy()  # a fresh array: the last one may still be in flight
+        # a copy: the template's columns past bs (page writes: past num_writes) stay padding rows
+        image = self._images[padded].copy()
         columns = vars(batch.inputs)
         num_writes = len(batch.inputs.page_write_entries)
         for i, row in enumerate(_ROWS):

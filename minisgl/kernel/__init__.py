@@ -4,8 +4,9 @@ two ops that run their kernel on any CUDA tensor: the table reads and writes (ex
 and sampling (an exact argmax; only the kernel writes the host's token table inside a graph); and
 for matmuls on the CPU, which take oneDNN with the weight packed at load (`onednn.py`).
 
-`minisgl.kernel.triton` exposes the same functions with the same semantics as `torch_ops`; it is
-imported on first use only, so CPU-only installs never import triton.
+`minisgl.kernel.triton` holds the Triton twin of each op dispatched below (same name, same
+semantics as `torch_ops`'s), and the attention and MoE kernels their backends call; it is imported
+on first use only, so CPU-only installs never import triton.
 """
 
 import functools

@@ -97,11 +97,10 @@ class KVCacheManager:
     def release(self, slot: int, ids: Sequence[int]) -> None:
         """Give up every page of the slot; whole pages of `ids` (tokens with computed KV) stay in
         the prefix cache for later requests."""
-        pages = self._pages.pop(slot)
         num = len(ids) // self.page_size
-        shared = self._shared.pop(slot)
-        if num < shared:
-            raise ValueError("ids must cover the prefix the slot got from the cache")
+        require(num >= self._shared[slot], "ids must cover the prefix the slot got from the cache")
+        pages = self._pages.pop(slot)
+        del self._shared[slot]
         _, duplicates = self.prefix_cache.insert(ids[: num * self.page_size], pages[:num])
         self.prefix_cache.unlock(self._handles.pop(slot))
         self.allocator.free(duplicates + pages[num:])

@@ -9,7 +9,7 @@ from .linear import (
 )
 from .moe import SparseMLP
 from .norm import RMSNorm
-from .rotary import get_rope, set_rope_device
+from .rotary import get_rope
 
 __all__ = [
     "AttentionLayer",
@@ -25,5 +25,4 @@ __all__ = [
     "VocabParallelEmbedding",
     "get_rope",
     "local_kv_heads",
-    "set_rope_device",
 ]

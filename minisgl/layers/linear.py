@@ -24,9 +24,6 @@ class _LinearTPImpl(BaseOP):
     def pack_weights(self) -> None:
         self._packed = pack_weight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._packed)
-
     def forward_normed(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,10 +39,10 @@ class LinearColParallelMerged(_LinearTPImpl):
     """Projections of the same input stacked along the output (gate_up_proj), each split along its
     output dimension across ranks."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], has_bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int]) -> None:
         tp = get_tp_info().size
         local_osize = sum(div_even(size, tp) for size in output_sizes)
-        super().__init__(input_size, local_osize, has_bias)
+        super().__init__(input_size, local_osize, has_bias=False)
 
 
 def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:

@@ -3,7 +3,6 @@ import math
 
 import torch
 
-from minisgl.config import ConfigError
 from minisgl.kernel import KVStore, apply_rope_inplace
 
 from .base import StateLessOP
@@ -51,39 +50,19 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-_ROPE_DEVICE: torch.device | None = None
-
-
-def set_rope_device(device: torch.device) -> None:
-    """The real device for the RoPE table when the model is built on the meta device."""
-    global _ROPE_DEVICE
-    _ROPE_DEVICE = device
-
-
 @functools.cache  # every layer shares one RoPE table
-def _get_rope(
-    head_dim: int, max_position: int, base: float, scaling: RopeScaling | None, device: torch.device
+def get_rope(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    scaling: RopeScaling | None,
+    device: torch.device,
 ) -> RotaryEmbedding:
+    """The RoPE table on `device` (a real one: models are built on the meta device, and the
+    table is data, not a weight); scaling: llama3's parameters (ModelConfig admits no other
+    type), None for plain RoPE."""
     with torch.device(device):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        scaling_dict = dict(scaling) if scaling else {}
-        rope_type = scaling_dict.get("rope_type", scaling_dict.get("type", "default"))
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling_dict)
-        elif rope_type != "default":
-            raise ConfigError(
-                f"unsupported rope_scaling type {rope_type!r}; supported: default, llama3"
-            )
+        if scaling is not None:
+            inv_freq = _llama3_inv_freq(inv_freq, dict(scaling))
         return RotaryEmbedding(head_dim, max_position, inv_freq)
-
-
-def get_rope(
-    head_dim: int, max_position: int, base: float, scaling: RopeScaling | None = None
-) -> RotaryEmbedding:
-    device = torch.empty(0).device
-    if device.type == "meta":
-        # the model is built on the meta device, but the RoPE table is real data
-        if _ROPE_DEVICE is None:
-            raise RuntimeError("Call set_rope_device() before building a model on meta device")
-        device = _ROPE_DEVICE
-    return _get_rope(head_dim, max_position, base, scaling, device)

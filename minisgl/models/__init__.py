@@ -5,7 +5,6 @@ import torch
 from tqdm import tqdm
 
 from minisgl.distributed import get_tp_info
-from minisgl.layers import set_rope_device
 from minisgl.moe.base import MoEBackend
 from minisgl.utils.torch_utils import torch_dtype
 
@@ -26,9 +25,8 @@ def load_model(
 ) -> CausalLM:
     """Build the model on the meta device (instant, no memory), then stream its weights in and
     pack those the CPU's matmuls want in a layout of their own."""
-    set_rope_device(device)
     with torch.device("meta"), torch_dtype(dtype):
-        model = CausalLM(config, moe_backend)
+        model = CausalLM(config, moe_backend, device)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if dummy_weights:
         state = {name: _random_tensor(shape, device, dtype) for name, shape in expected.items()}

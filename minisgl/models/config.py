@@ -127,4 +127,8 @@ def _rope_settings(config: PretrainedConfig) -> tuple[float, RopeScaling | None]
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
+    if rope_type != "llama3":
+        raise ConfigError(
+            f"unsupported rope_scaling type {rope_type!r}; supported: default, llama3"
+        )
     return theta, tuple(sorted(scaling.items()))

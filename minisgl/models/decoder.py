@@ -25,7 +25,7 @@ from .config import ModelConfig
 
 
 class RopeAttn(BaseOP):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, device: torch.device) -> None:
         tp = get_tp_info().size
         num_qo_heads = div_even(config.num_qo_heads, tp)
         num_kv_heads = local_kv_heads(config.num_kv_heads, tp)
@@ -36,8 +36,9 @@ class RopeAttn(BaseOP):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
         rotary = get_rope(
-            head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+            head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+            device,
+        )  # fmt: skip
         self.attn = AttentionLayer(
             layer_id, num_qo_heads, num_kv_heads, head_dim, rotary, self.q_norm, self.k_norm
         )
@@ -75,8 +76,10 @@ def _mlp(config: ModelConfig, layer_id: int, moe_backend: MoEBackend) -> GatedML
 
 
 class DecoderLayer(BaseOP):
-    def __init__(self, config: ModelConfig, layer_id: int, moe_backend: MoEBackend) -> None:
-        self.self_attn = RopeAttn(config, layer_id)
+    def __init__(
+        self, config: ModelConfig, layer_id: int, moe_backend: MoEBackend, device: torch.device
+    ) -> None:
+        self.self_attn = RopeAttn(config, layer_id, device)
         self.mlp = _mlp(config, layer_id, moe_backend)
         # weights only: each norm runs inside the projection after it (forward_normed)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -91,10 +94,10 @@ class DecoderLayer(BaseOP):
 
 
 class DecoderModel(BaseOP):
-    def __init__(self, config: ModelConfig, moe_backend: MoEBackend) -> None:
+    def __init__(self, config: ModelConfig, moe_backend: MoEBackend, device: torch.device) -> None:
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = OPList(
-            [DecoderLayer(config, i, moe_backend) for i in range(config.num_layers)]
+            [DecoderLayer(config, i, moe_backend, device) for i in range(config.num_layers)]
         )
         # weights only: the final norm runs inside the LM head
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -113,10 +116,11 @@ class DecoderModel(BaseOP):
 class CausalLM(BaseOP):
     """Decoder + LM head. `forward` computes the current forward's batch (`engine.context`) and
     returns the logits of each request's last token. `moe_backend` runs the sparse layers'
-    experts (a dense model never calls it)."""
+    experts (a dense model never calls it); `device` holds its tables that are no weights (RoPE's),
+    as the weights are loaded onto it."""
 
-    def __init__(self, config: ModelConfig, moe_backend: MoEBackend) -> None:
-        self.model = DecoderModel(config, moe_backend)
+    def __init__(self, config: ModelConfig, moe_backend: MoEBackend, device: torch.device) -> None:
+        self.model = DecoderModel(config, moe_backend, device)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied)
 

@@ -10,6 +10,7 @@ the model holds (this rank's slice of each expert's intermediate dimension):
 """
 
 import re
+from typing import Any, Protocol
 
 import torch
 
@@ -53,7 +54,13 @@ def fused_shape(kind: str, c: ModelConfig) -> tuple[int, ...] | None:
     return (e, 2 * inter, hidden) if kind == "gate_up_proj" else (e, hidden, inter)
 
 
-def shard_fused(kind: str, tensor_slice, c: ModelConfig, tp: TPInfo) -> torch.Tensor:
+class TensorSlice(Protocol):
+    """A checkpoint tensor not read yet (safetensors' get_slice): indexing reads that part only."""
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+def shard_fused(kind: str, tensor_slice: TensorSlice, c: ModelConfig, tp: TPInfo) -> torch.Tensor:
     """This rank's slice of every expert in a fused tensor, read without loading the rest."""
     assert c.moe is not None
     local = c.moe.intermediate_size // tp.size

@@ -15,7 +15,14 @@ from minisgl.layers import local_kv_heads
 from minisgl.utils import div_ceil
 
 from .config import ModelConfig
-from .expert_weights import ExpertStacker, expert_shape, fused_shape, per_expert, shard_fused
+from .expert_weights import (
+    ExpertStacker,
+    TensorSlice,
+    expert_shape,
+    fused_shape,
+    per_expert,
+    shard_fused,
+)
 
 # checkpoint projection -> (merged name, position inside it)
 _MERGED = {
@@ -57,7 +64,11 @@ def _checkpoint_shape(module: str, kind: str, c: ModelConfig) -> tuple[int, ...]
 
 
 def _shard(
-    module: str, tensor_slice, full_shape: tuple[int, ...], c: ModelConfig, tp: TPInfo
+    module: str,
+    tensor_slice: TensorSlice,
+    full_shape: tuple[int, ...],
+    c: ModelConfig,
+    tp: TPInfo,
 ) -> torch.Tensor:
     """This rank's part of a checkpoint tensor, read without loading the rest."""
     if tp.size == 1:

@@ -94,8 +94,8 @@ class Scheduler:
                 raise ValueError(f"request id {rid} is already in use")
             rids.add(rid)
         if self._wait_for_grammars:
-            specs = {p.structured for _, _, p in requests if p.structured is not None}
-            for spec in specs:
+            specs = dict.fromkeys(p.structured for _, _, p in requests if p.structured is not None)
+            for spec in specs:  # in order: the first bad one's error is every rank's
                 self.grammars.check(self.grammars.compile(spec))
         for rid, prompt_ids, params in requests:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -114,6 +114,10 @@ class Scheduler:
         if req is None:
             return None
         return self._finish(req, "abort", None)
+
+    def flush_prefix_cache(self) -> None:
+        """Evict every cached prefix no request holds."""
+        self.kv.flush_prefix_cache()
 
     def warm_up(self) -> None:
         """Compute, before serving, a prefill of each kind the kernels tell apart: Triton
@@ -177,7 +181,7 @@ class Scheduler:
             try:
                 self.grammars.start(rid, future)
             except ValueError as e:
-                del self._reqs[rid]
+                self._forget(req)
                 self._errors.append(ReqError(rid, str(e)))
                 continue
             self.waiting.append(req)
@@ -310,7 +314,7 @@ class Scheduler:
         return extend
 
     def _preempt(self, req: Req) -> None:
-        """Free a running request's KV (its computed prefix stays in the prefix cache) and put it
+        """Free a running request's KV (its computed prefix stays in a radix cache) and put it
         back at the head of the queue. It keeps its slot, so its token row stays intact."""
         logger.info("preempting request %d at %d tokens", req.rid, req.device_len)
         self.kv.release(req.slot, req.token_ids[: req.cached_len])
@@ -320,12 +324,16 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
 
-    def _finish(self, req: Req, reason: FinishReason, matched: int | None) -> Finished:
-        req.finish_reason = reason
+    def _forget(self, req: Req) -> None:
+        """Drop every record of the request but its place in the queues and its KV."""
         del self._reqs[req.rid]
         self._compiling.pop(req.rid, None)
         self._processed.discard(req.rid)
         self.grammars.drop(req.rid)
+
+    def _finish(self, req: Req, reason: FinishReason, matched: int | None) -> Finished:
+        req.finish_reason = reason
+        self._forget(req)
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req.slot, req.token_ids[: req.cached_len])
@@ -351,7 +359,9 @@ class Scheduler:
             req.cached_len += extend
             if req.cached_len == req.device_len:  # the whole known sequence is computed: sample
                 sample_rows.append(i)
-                if extend > 1:  # a prompt just finished: share its pages with later requests
+                # a prompt (or a preempted request's recomputation) just finished, if only by
+                # one token: share its pages with later requests
+                if extend > 1 or prefix_lens[i] < req.num_prompt_tokens:
                     self.kv.cache_prefix(req.slot, req.token_ids[: req.cached_len])
                 req.device_len += 1
         # scanned only while some request processes its logits: it costs each step's host time

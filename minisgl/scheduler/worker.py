@@ -15,7 +15,7 @@ import zmq
 
 from minisgl.config import EngineConfig, SchedulerConfig
 from minisgl.engine.engine import Engine
-from minisgl.kvcache import IntegrityError
+from minisgl.kvcache import PREFIX_CACHES, IntegrityError
 from minisgl.messages import (
     AddRequests,
     Addresses,
@@ -70,7 +70,7 @@ class SchedulerWorker:
                 except ValueError as e:
                     errors += [ReqError(rid, str(e)) for rid, _, _ in requests]
             elif isinstance(msg, FlushPrefixCache):
-                self.scheduler.kv.flush_prefix_cache()
+                self.scheduler.flush_prefix_cache()
             else:
                 for rid in msg.rids:
                     aborted = self.scheduler.abort_request(rid)
@@ -123,6 +123,7 @@ def start_worker(
 ) -> SchedulerWorker:
     """This rank's engine and scheduler, returned once every rank has built its own.
     wait_for_grammars: as `Scheduler`'s, the same on every rank (TP needs it)."""
+    PREFIX_CACHES.get(scheduler_config.cache)  # an unknown name fails before the weights load
     engine = Engine(engine_config)
     scheduler = Scheduler(
         scheduler_config, engine, load_eos_token_ids(engine_config.model_path), wait_for_grammars

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI): validates requests, maps them onto the engine's
 requests and answers in OpenAI's shapes. It holds no tokenizer and no model.
 
-On SIGTERM it drains: new requests get 503, running ones may finish within --shutdown-timeout,
+On SIGTERM it drains: new completions get 503, running ones may finish within --shutdown-timeout,
 then each is answered with a 503 (a stream: an error event) and the process exits."""
 
 import asyncio
@@ -203,7 +203,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             texts = [p if isinstance(p, str) else await prompt_text(p) for p in prompts]
             echo = [text for text in texts for _ in range(body.n)]
         return await generate(
-            request, client, CompletionFormat(), args.served_model_name, tokenize, body.n,
+            request, client, CompletionFormat(), args.served_model_name, tokenize,
             want_logprobs=body.logprobs is not None, stream=body.stream,
             include_usage=body.include_usage, timeout=args.request_timeout, echo=echo,
         )  # fmt: skip
@@ -226,8 +226,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             template_kwargs=body.chat_template_kwargs,
         )  # fmt: skip
         return await generate(
-            request, client, fmt, args.served_model_name, tokenize, body.n,
-            want_logprobs=body.logprobs, stream=body.stream, include_usage=body.include_usage,
+            request, client, fmt, args.served_model_name, tokenize, want_logprobs=body.logprobs, stream=body.stream, include_usage=body.include_usage,
             timeout=args.request_timeout,
         )  # fmt: skip
 

@@ -83,8 +83,8 @@ _HELP = {
     "max_stop_length": "characters per stop string at most",
     "max_queued_requests": "requests waiting for their first token at most; more get a 429 "
     "(default: no limit)",
-    "request_timeout": "seconds a request may run before it is stopped with a 408 (default: no "
-    "limit)",
+    "request_timeout": "seconds a request may run before it is stopped with a 400 whose code is "
+    "request_timeout (default: no limit)",
     "shutdown_timeout": "seconds running requests may finish after SIGTERM before they are "
     "answered with 503",
     "health_timeout": "/health answers 503 once the engine has sent no heartbeat for this many "

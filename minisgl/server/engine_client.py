@@ -36,10 +36,9 @@ from .metrics import Metrics
 
 @dataclass
 class Delta:
-    """New text of one choice, from `num_tokens` tokens."""
+    """New text of one choice."""
 
     text: str
-    num_tokens: int
     logprobs: TextLogprobs | None
 
 
@@ -201,7 +200,7 @@ class EngineClient:
                 self._num_queued -= first
                 route.last_token = now
             logprobs = None if msg.logprobs is None else msg.logprobs[i]
-            self._deliver(route, Delta(text, num_tokens, logprobs))
+            self._deliver(route, Delta(text, logprobs))
         for finish in msg.finished:
             self.metrics.request_finished(finish)
             self._end(finish.rid, finish)

@@ -1,5 +1,5 @@
-"""The machinery completions and chat share: send an API request's engine requests, wait until
-each has started (so a rejected one still gets a 400), then stream or collect the choices.
+"""The machinery completions and chat share: send an API request's engine requests, wait for their
+first items (a rejected request gets its 400 then), then stream or collect the choices.
 
 A request ends early when its client goes away (streaming or not: its engine requests are
 aborted), when it runs past --request-timeout, or when the server shuts down."""
@@ -19,7 +19,7 @@ from minisgl.messages import Finished, ReqError, TokenizeRequest
 
 from .engine_client import Delta, EngineClient, Interrupted, Item, ReqGroup
 from .errors import ApiError
-from .responses import Choice, ResponseFormat, json_response, usage
+from .responses import Choice, ReplyFormat, json_response, usage
 
 T = TypeVar("T")
 Items = list[tuple[int, Item]]
@@ -28,26 +28,25 @@ Items = list[tuple[int, Item]]
 async def generate(
     request: Request,
     client: EngineClient,
-    fmt: ResponseFormat,
+    fmt: ReplyFormat,
     model: str,
     tokenize: TokenizeRequest,
-    n: int,
     want_logprobs: bool,
     stream: bool,
     include_usage: bool,
     timeout: float | None,
     echo: list[str] | None = None,
 ) -> Response:
-    """Run `tokenize`'s requests (n consecutive ones per prompt) and answer with one response.
+    """Run `tokenize`'s requests (its choices consecutive per prompt) and answer with one response.
     Its first items come before anything is answered: a request the engine refused (they are
     admitted all or none) still gets its 400. echo: a text each choice's starts with."""
     group = client.submit(tokenize)
-    run = _Run(client, group, fmt, model, n, want_logprobs, timeout)
+    run = _Run(client, group, fmt, model, len(tokenize.params), want_logprobs, timeout)
     streaming = False
     try:
         first = await _until_disconnected(request, run.next_items())
         if echo is not None:
-            first = [(i, Delta(text, 0, None)) for i, text in enumerate(echo)] + first
+            first = [(i, Delta(text, None)) for i, text in enumerate(echo)] + first
         if stream:
             streaming = True  # the stream aborts what is left of the group when it ends
             return StreamingResponse(
@@ -91,7 +90,7 @@ class _Run:
         self,
         client: EngineClient,
         group: ReqGroup,
-        fmt: ResponseFormat,
+        fmt: ReplyFormat,
         model: str,
         n: int,
         want_logprobs: bool,
@@ -112,9 +111,12 @@ class _Run:
             batch = await asyncio.wait_for(anext(self._batches), left)
         except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
             self.client.abort(self.group)
+            # not a 408 or a 5xx, which sglang-router and OpenAI's client retry: the same
+            # request would only run to the same limit again
             raise ApiError(
-                408, "the request took longer than the server's --request-timeout"
-            ) from None
+                400, "the request took longer than the server's --request-timeout",
+                code="request_timeout",
+            ) from None  # fmt: skip
         for _, item in batch:
             if isinstance(item, ReqError):
                 raise ApiError(400, item.message)
@@ -128,8 +130,8 @@ class _Run:
         for index, item in batch:
             piece = pieces.setdefault(index, Choice())
             if isinstance(item, Delta):
-                self.choices[index].add(item.text, item.num_tokens, item.logprobs)
-                piece.add(item.text, item.num_tokens, item.logprobs)
+                self.choices[index].add(item.text, item.logprobs)
+                piece.add(item.text, item.logprobs)
             else:
                 assert isinstance(item, Finished)
                 self.choices[index].end = piece.end = item

@@ -16,8 +16,8 @@ router or the last replica does.
 
 On SIGINT or SIGTERM it lets the API servers (and the router) drain (--shutdown-timeout), then
 stops the rest. The children talk over abstract sockets (the TP ranks among themselves over
-torch.distributed) and die with the launcher, however it ends: nothing is left behind. This module imports nothing heavy: each child imports only its own
-entry point.
+torch.distributed) and die with the launcher, however it ends: nothing is left behind. This
+module imports nothing heavy: each child imports only its own entry point.
 """
 
 import contextlib

@@ -8,7 +8,7 @@ import socket
 import torch
 
 from minisgl.attention import ATTENTION_BACKENDS
-from minisgl.config import check_kv_capacity, max_seq_len
+from minisgl.config import check_kv_capacity, kv_pages, max_seq_len
 from minisgl.kvcache import PREFIX_CACHES
 from minisgl.models.config import ModelConfig
 from minisgl.moe import MOE_BACKENDS
@@ -62,8 +62,8 @@ def _check_model(args: ServerArgs) -> None:
         raise ValueError(f"{path}/config.json cannot be read: {e}") from None
     seq_len = max_seq_len(engine, config.max_position_embeddings)
     if engine.max_kv_tokens is not None:
-        pages = -(-engine.max_kv_tokens // engine.page_size)  # as the engine rounds it
-        check_kv_capacity(pages * engine.page_size, seq_len)
+        pages = kv_pages(engine.max_kv_tokens, engine.page_size)
+        check_kv_capacity(pages, engine.page_size, seq_len)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -90,6 +90,12 @@ class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
+    @model_validator(mode="after")
+    def _schema_only_for_its_type(self) -> "ResponseFormat":
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError(f"response_format of type {self.type} takes no json_schema")
+        return self
+
 
 class StructuredOutputs(_Strict):
     """vLLM's structured_outputs (older: guided_json, guided_regex, ...): one of them."""
@@ -141,6 +147,12 @@ class _GenerateRequest(_Body):
     skip_special_tokens: Literal[True] = True
     return_hidden_states: Literal[False] = False
 
+    @model_validator(mode="after")
+    def _stream_options_only_when_streaming(self) -> "_GenerateRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -177,8 +189,11 @@ class _GenerateRequest(_Body):
                            "or guided_* name more than one")  # fmt: skip
         return given[0] if given else None
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ApiError(400) for values SamplingParams rejects."""
+    def _params(
+        self, max_tokens: int | None, logprobs: int | None, rest_of_context: bool = False
+    ) -> SamplingParams:
+        """Raises ApiError(400) for values SamplingParams rejects. max_tokens None: SamplingParams'
+        default, or the rest of the context where rest_of_context."""
         bias = None
         if self.logit_bias is not None:
             try:
@@ -189,8 +204,11 @@ class _GenerateRequest(_Body):
         given.update(
             max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias, structured=self._structured()
         )
+        values = {k: v for k, v in given.items() if v is not None}
+        if max_tokens is None and rest_of_context:
+            values["max_tokens"] = None
         try:
-            return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+            return SamplingParams(**values)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
@@ -348,9 +366,8 @@ class ChatCompletionRequest(_GenerateRequest):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
-        params = self._params(given, (self.top_logprobs or 0) if self.logprobs else None)
-        if given is None:
-            params = replace(params, max_tokens=None)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        params = self._params(given, logprobs, rest_of_context=True)
         schema = self._tool_schema()
         if schema is None:
             return params

@@ -21,16 +21,14 @@ def json_response(body: dict[str, Any], status: int = 200, headers: Any = None) 
 
 @dataclass
 class Choice:
-    """One choice's text, logprobs and token count so far, and how it ended."""
+    """One choice's text and logprobs so far, and how it ended."""
 
     text: str = ""
     logprobs: list[TextLogprobs] = field(default_factory=list)
-    num_tokens: int = 0
     end: Finished | None = None
 
-    def add(self, text: str, num_tokens: int, logprobs: TextLogprobs | None) -> None:
+    def add(self, text: str, logprobs: TextLogprobs | None) -> None:
         self.text += text
-        self.num_tokens += num_tokens
         if logprobs is not None:
             self.logprobs.append(logprobs)
 
@@ -59,7 +57,7 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     }
 
 
-class ResponseFormat(ABC):
+class ReplyFormat(ABC):
     id_prefix: str
     object: str  # a whole response
     chunk_object: str  # one streamed chunk
@@ -90,7 +88,7 @@ class ResponseFormat(ABC):
         }
 
 
-class CompletionFormat(ResponseFormat):
+class CompletionFormat(ReplyFormat):
     id_prefix = "cmpl"
     object = chunk_object = "text_completion"
 
@@ -149,7 +147,7 @@ class ReplyParser:
         return reasoning, content, calls
 
 
-class ChatFormat(ResponseFormat):
+class ChatFormat(ReplyFormat):
     """With a `new_parser` (the server's --reasoning-parser, the request's tools), each choice's
     reply is parsed: reasoning_content, content (null when empty), tool_calls, and the
     finish_reason `tool_calls` for a reply that made calls."""

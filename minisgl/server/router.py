@@ -11,12 +11,14 @@ taken out at once (leave_out) rather than by the health checks, seconds later. A
 broke off is not tried again."""
 
 import json
+import math
 import urllib.request
 
 from .args import ServerArgs
 
 _HEALTH_INTERVAL_S = 2
 _HEALTH_FAILURES = 2
+_NO_TIMEOUT_S = 10 * 365 * 24 * 3600  # the router's own default would cut requests at 30 min
 
 
 def run_router(args: ServerArgs, replica_urls: list[str], metrics_port: int) -> None:
@@ -39,6 +41,12 @@ def run_router(args: ServerArgs, replica_urls: list[str], metrics_port: int) -> 
             worker_startup_check_interval=1,
             health_check_interval_secs=_HEALTH_INTERVAL_S,
             health_failure_threshold=_HEALTH_FAILURES,
+            # the replicas stop a request at --request-timeout: the router waits for that answer
+            request_timeout_secs=(
+                _NO_TIMEOUT_S
+                if args.request_timeout is None
+                else math.ceil(args.request_timeout) + 5
+            ),
             # the replicas drain within --shutdown-timeout; the router waits for their answers
             shutdown_grace_period_secs=int(args.shutdown_timeout) + 1,
             log_level={"warning": "warn"}.get(args.log_level, args.log_level),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import zmq
 
-from minisgl.core import SamplingParams, check_prompt
+from minisgl.core import SamplingParams, check_prompt, check_token_ids
 from minisgl.messages import (
     AbortRequest,
     AddRequests,
@@ -93,9 +93,7 @@ class Tokenize:
             if query.ids is None:
                 ids = prompt_ids(self.tokenizer, query.prompt, query.messages, self.chat_template)
                 return TokenizerAnswer(query.qid, ids=ids)
-            bad = [t for t in query.ids if not 0 <= t < self.limits.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary")
+            check_token_ids(query.ids, self.limits.vocab_size)
             return TokenizerAnswer(query.qid, text=self.tokenizer.decode(query.ids))
         except Exception as e:  # as a request's, a query's failure is its own
             return TokenizerAnswer(query.qid, error=str(e))

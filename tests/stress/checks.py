@@ -2,12 +2,11 @@
 state a scenario that the server survives must leave, and the server's children by name."""
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from ..server_process import ServerProcess, alive, wait_for
+from ..server_process import ServerProcess, alive, process_name, wait_for
 
 MODEL = "stories"  # the name every stress server serves the embedded stories260K model under
 RUNNING = "minisgl_running_requests"
@@ -79,11 +78,12 @@ def assert_openai_error(response: httpx.Response, status: int | None = None) -> 
     return check_error_body(body, detail)
 
 
-def assert_clean(server: ServerProcess, before: Metrics) -> None:
-    """The end of every scenario the server survives: a small completion answers, then nothing
-    runs or waits, no request holds a page, and the integrity check ran since `before` and never
-    failed."""
-    small = server.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 2})
+def assert_clean(server: ServerProcess, before: Metrics, model: str | None = MODEL) -> None:
+    """The end of every scenario the server survives: a small completion (for `model`; None:
+    the served one) answers, then nothing runs or waits, no request holds a page, and the
+    integrity check ran since `before` and never failed."""
+    small = {"prompt": "Once", "max_tokens": 2} | ({} if model is None else {"model": model})
+    small = server.post("/v1/completions", json=small)
     assert small.status_code == 200, small.text
     m = wait_for_metrics(
         server,
@@ -97,7 +97,7 @@ def child(server: ServerProcess, comm: str) -> int:
     names = {}
     for pid in server.children:
         try:
-            names[Path(f"/proc/{pid}/comm").read_text().strip()] = pid
+            names[process_name(pid)] = pid
         except OSError:
             continue
     assert comm in names and alive(names[comm]), f"no child named {comm!r}: {sorted(names)}"

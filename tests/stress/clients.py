@@ -2,8 +2,10 @@
 going, a stream read to its end, and a request on a raw socket that can leave at any moment."""
 
 import json
+import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,15 +145,26 @@ class RawRequest:
     def closed_by_server(self, timeout: float) -> bool:
         """Whether the server ends the connection within `timeout` seconds (what it still sends
         before that is read and dropped)."""
-        self.sock.settimeout(timeout)
-        try:
-            while self.sock.recv(65536):
-                pass
-        except TimeoutError:
-            return False
-        except ConnectionError:
-            pass
-        return True
+        return closed_by_server([self.sock], timeout)
 
     def leave(self) -> None:
         self.sock.close()
+
+
+def closed_by_server(socks: list[socket.socket], timeout: float) -> bool:
+    """Whether the server closes every socket within `timeout` seconds (each reads EOF; what it
+    still sends before that is read and dropped)."""
+    with selectors.DefaultSelector() as selector:  # epoll: select() stops at fd 1024
+        for s in socks:
+            selector.register(s, selectors.EVENT_READ)
+        left, deadline = len(socks), time.monotonic() + timeout
+        while left and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=0.5):
+                try:
+                    closed = key.fileobj.recv(65536) == b""
+                except ConnectionError:
+                    closed = True
+                if closed:
+                    selector.unregister(key.fileobj)
+                    left -= 1
+    return left == 0

@@ -221,6 +221,33 @@ def test_request_beyond_max_queued_is_a_429_with_retry_after(start_server) -> No
     server.stop()
 
 
+# ------------------------------------------------------------------------ a request timeout
+REQUEST_TIMEOUT_S = 1
+
+
+def test_request_past_its_timeout_is_a_400_that_nothing_retries_and_frees_its_pages(
+    start_server,
+) -> None:
+    """Streamed or not, a request that runs past --request-timeout is aborted and answered with
+    an error whose code says so (a 400: a 408 or 5xx would be sent again by routers and
+    OpenAI's client); the server serves on."""
+    server = start_server("--request-timeout", str(REQUEST_TIMEOUT_S), "--max-kv-tokens", "4096")
+    before = server.metrics()
+    start = time.monotonic()
+    long = {**_stream_body(COMPLETIONS, "Once", 1900), "stream": False, "stream_options": None}
+    error = assert_openai_error(server.post(COMPLETIONS, json=long), 400)
+    assert error["code"] == "request_timeout" and "--request-timeout" in error["message"], error
+    assert time.monotonic() - start < REQUEST_TIMEOUT_S + 10
+    streamed = read_stream(server, CHAT, _stream_body(CHAT, "Once", 1900))
+    assert streamed.status == 200 and streamed.done, streamed
+    assert check_error_body(streamed.events[-1])["code"] == "request_timeout"
+    assert streamed.completion_tokens is None  # no usage: it did not finish
+    after = wait_for_metrics(server, lambda m: delta(before, m, finished("abort")) == 2)
+    assert delta(before, after, GENERATED) < 2 * 1900
+    assert_clean(server, before)
+    server.stop()
+
+
 # ------------------------------------------------------------------------ SIGTERM under load
 SHUTDOWN_TIMEOUT_S = 3
 # tokens of a request that must finish while the server drains: 40 did not within 3 s on 2

@@ -5,9 +5,7 @@ clean afterwards."""
 
 import json
 import resource
-import selectors
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from .checks import (
     finished,
     wait_for_metrics,
 )
-from .clients import bystander
+from .clients import bystander, closed_by_server
 from .keeper import ServerKeeper
 
 API_KEY = "hostile-key"
@@ -414,24 +412,6 @@ def test_unknown_route_or_method_is_an_openai_error(
 
 
 # --------------------------------------------------------------------------------------- D11
-def _closed_by_server(socks: list[socket.socket], timeout: float) -> bool:
-    """Whether the server closes every socket within `timeout` seconds (each reads EOF)."""
-    with selectors.DefaultSelector() as selector:  # epoll: select() stops at fd 1024
-        for s in socks:
-            selector.register(s, selectors.EVENT_READ)
-        left, deadline = len(socks), time.monotonic() + timeout
-        while left and time.monotonic() < deadline:
-            for key, _ in selector.select(timeout=0.5):
-                try:
-                    closed = key.fileobj.recv(65536) == b""
-                except ConnectionError:
-                    closed = True
-                if closed:
-                    selector.unregister(key.fileobj)
-                    left -= 1
-    return left == 0
-
-
 @pytest.fixture
 def many_open_files() -> Iterator[None]:
     """The test's own side of a flood of connections: its soft open-file limit raised."""
@@ -454,7 +434,7 @@ def test_a_flood_of_idle_connections_leaves_the_server_reachable(
         log = server.log_path.read_bytes()[log_size:]
         assert b"Too many open files" not in log and len(log) < 64 * 1024, log[-2000:]
         # idle connections are closed after --timeout-keep-alive (default 5 s)
-        assert _closed_by_server(flood, timeout=5 + 10)
+        assert closed_by_server(flood, timeout=5 + 10)
     finally:
         for s in flood:
             s.close()
@@ -469,7 +449,7 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(server: Serve
     with sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-        assert _closed_by_server([sock], timeout=5 + 5)
+        assert closed_by_server([sock], timeout=5 + 5)
 
 
 # --------------------------------------------------------------------------------------- D12

@@ -8,6 +8,15 @@ _MAX_BLOCK = 1024
 
 
 @triton.jit
+def silu_and_mul_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up, rounded to dtype where the reference rounds: the inputs (a matmul's fp32
+    sums), silu's output, the product."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    return ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -17,10 +26,7 @@ def _silu_and_mul_kernel(
     mask = cols < n
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
-    gate_f = gate.to(tl.float32)
-    # rounded twice, like the reference: silu's output, then the product
-    silu = (gate_f / (1.0 + tl.exp(-gate_f))).to(gate.dtype)
-    out = (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    out = silu_and_mul_rounded(gate, up, gate.dtype)
     tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 

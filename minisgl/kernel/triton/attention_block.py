@@ -61,6 +61,9 @@ def attend_block(
         k, v = load_kv(locs, in_range, k_ptr, v_ptr, stride_k_loc, stride_v_loc, d, d_mask)
     else:
         locs = tl.load(page_row_ptr + pos).to(tl.int64)
-        k = tl.load(k_ptr + locs[:, None] * stride_k_loc + d[None, :], mask=d_mask[None, :])
-        v = tl.load(v_ptr + locs[:, None] * stride_v_loc + d[None, :], mask=d_mask[None, :])
+        # other=0: a head_dim below its block's width leaves columns that enter the dot product
+        k_ptrs = k_ptr + locs[:, None] * stride_k_loc + d[None, :]
+        v_ptrs = v_ptr + locs[:, None] * stride_v_loc + d[None, :]
+        k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
     return attend_loaded(q, q_pos, m_i, l_i, acc, k, v, pos, in_range, qk_scale, MASKED)

@@ -52,9 +52,10 @@ _ONE_REQUEST_HEAD_BLOCKS = 2  # programs per KV head and split where the group i
 # K and V at head_dim 128; 2 stages elsewhere), at most 2 programs per SM, so each reads several
 # blocks: 16 requests took 35.3 us against 64.8 with 64 keys and ~16 programs per SM (H200, bf16)
 _FEW_REQUESTS_PROGRAMS_PER_SM = 2
-# above PREFETCH_MAX_BATCH, in 2-byte dtypes (fp32 tiles would not fit): twice the keys per step,
-# half the programs: batch 256 took 287.7 us against 300.2 (H200, bf16, contexts 100-2,048)
-_LARGE_BATCH_BLOCK_N = 128
+# keys per step from 2 requests up, in 2-byte dtypes (fp32 tiles would not fit): above
+# PREFETCH_MAX_BATCH, with half the programs, batch 256 took 287.7 us against 300.2 at 64 keys
+# (H200, bf16, contexts 100-2,048)
+_MULTI_REQUEST_BLOCK_N = 128
 _LARGE_BATCH_PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 32
 PREFETCH_MAX_BATCH = 16
@@ -80,9 +81,9 @@ def decode_launch(
         return DecodeLaunch(_BLOCK_N, heads=group // _ONE_REQUEST_HEAD_BLOCKS if split_group else 0)
     if dtype.itemsize > 2:
         return DecodeLaunch(_BLOCK_N)
-    stage_bytes = 2 * _LARGE_BATCH_BLOCK_N * head_dim * dtype.itemsize  # a K and a V tile
+    stage_bytes = 2 * _MULTI_REQUEST_BLOCK_N * head_dim * dtype.itemsize  # a K and a V tile
     three_stages = batch_size <= PREFETCH_MAX_BATCH and 3 * stage_bytes <= shared_memory
-    return DecodeLaunch(_LARGE_BATCH_BLOCK_N, num_stages=3 if three_stages else 2)
+    return DecodeLaunch(_MULTI_REQUEST_BLOCK_N, num_stages=3 if three_stages else 2)
 
 
 @functools.cache

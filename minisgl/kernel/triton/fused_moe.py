@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import GemvConfig, _silu_and_mul
+from .activation import silu_and_mul_rounded
+from .gemv import GemvConfig
 from .moe_align import align_by_expert
 from .pdl import pdl_args, wait_for_previous
 
@@ -98,7 +99,7 @@ def _moe_gemv_gate_up_kernel(
     acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     gate, up = tl.split(tl.reshape(tl.sum(acc, 1), [BLOCK_N // 2, 2]))
     first = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    out = _silu_and_mul(gate, up, h_ptr.dtype.element_ty)
+    out = silu_and_mul_rounded(gate, up, h_ptr.dtype.element_ty)
     tl.store(h_ptr + pair * stride_h + first, out, mask=first < N)
 
 
@@ -188,7 +189,7 @@ def _moe_gate_up_kernel(
         w_up = tl.load(up_cols + k0 + k[:, None], mask=w_mask, other=0.0)
         gate = tl.dot(x, w_gate, gate, input_precision="ieee")
         up = tl.dot(x, w_up, up, input_precision="ieee")
-    out = _silu_and_mul(gate, up, h_ptr.dtype.element_ty)
+    out = silu_and_mul_rounded(gate, up, h_ptr.dtype.element_ty)
     mask = valid[:, None] & n_mask[None, :]
     tl.store(h_ptr + slots[:, None] * stride_h + n[None, :], out, mask=mask)
 

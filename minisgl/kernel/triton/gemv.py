@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation import silu_and_mul_rounded
+from .norm import add_rounded, rms_scaled
 from .pdl import pdl_args, wait_for_previous
 
 _FEW_FEATURES = 2048  # o_proj and down_proj of Qwen3-0.6B: 1024 output features
@@ -49,18 +51,10 @@ def _input_chunk(
     if NORM:
         if HAS_RESIDUAL:
             residual = tl.load(residual_row + k, mask=k_mask, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+            x = add_rounded(x, residual)
         weight = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-        x = ((x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * weight).to(x.dtype)
+        x = rms_scaled(x.to(tl.float32), inv_rms, weight, x.dtype).to(x.dtype)
     return x
-
-
-@triton.jit
-def _silu_and_mul(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up of fp32 sums, rounded where the separate kernels round."""
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    return ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
 
 
 @triton.jit
@@ -94,7 +88,7 @@ def _gemv_kernel(
             x = tl.load(x_row + cols, mask=cols < K, other=0.0)
             if HAS_RESIDUAL:
                 residual = tl.load(residual_row + cols, mask=cols < K, other=0.0)
-                x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+                x = add_rounded(x, residual)
                 if tl.program_id(0) == 0:
                     tl.store(residual_out_ptr + row * K + cols, x, mask=cols < K)
             xf = x.to(tl.float32)
@@ -119,7 +113,7 @@ def _gemv_kernel(
         if GATED:
             gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
             first = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            out = _silu_and_mul(gate, up, y_ptr.dtype.element_ty)
+            out = silu_and_mul_rounded(gate, up, y_ptr.dtype.element_ty)
             tl.store(y_ptr + row * stride_y + first, out, mask=first < N)
         else:
             tl.store(y_ptr + row * stride_y + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -133,34 +127,25 @@ def use_gemv(rows: int, n: int) -> bool:
 
 def default_config(n: int, k: int, norm: bool = False, gated: bool = False) -> GemvConfig:
     """The tile for W [n, k] (n: rows of W), from bench_gemv.py's sweeps on an H200 (one row,
-    kernels launched with PDL): with many output features, wide programs; with few, long rows per
-    program (each program reads whole rows of the o_proj), or two features per program over long
-    rows. The fused variants have their own best tiles (Qwen3-0.6B, 28 layers): the QKV
-    projection with the norm 96.5 us at (16, 1024, 4) against 105.4 at (16, 512, 8); the gated
-    gate/up projection 122.2 us at (8, 512, 4) against 129.1; the LM head with the final norm
-    70.6 us at (16, 512, 4) against 81.2 at the QKV projection's tile. o_proj and down_proj were
-    chosen in the model, where the next kernel needs SMs free to start its loads early: one
-    request's decode step took 653.6 us with (8, 2048, 8) and (2, 2048, 8), against 663.8 with
-    (8, 2048, 4) and (1, 1024, 8), whose 1,024 programs of 8 warps fill every SM.
-    Qwen3-30B-A3B's (48 layers, `bench_gemv.py --shapes a3b_qkv_proj a3b_o_proj --sweep`): its
-    QKV projection with the norm, K 2,048, 327.0 us at (8, 512, 8) against 380.1 at the K 1,024
-    tile; its o_proj, 2,048 features of K 4,096, 243.3 us at (1, 1024, 4) against 295.4 at the
-    0.6B down_proj's (2, 2048, 8); in the model one request's step 2.72 -> 2.59 ms with both.
-    The 8B shapes' QKV projections (K 4,096) keep the K 1,024 tile: Llama-3.1-8B's step took
-    4.25 ms with (8, 512, 8), 4.21 without."""
-    if gated:
+    kernels launched with PDL; each figure's run is in benchmark/RESULTS.md): wide programs for
+    many output features, long rows per program for few, and the fused variants their own."""
+    if gated:  # gate/up + SiLU: 122.2 us against 129.1 (Qwen3-0.6B's 28 layers)
         block_n, block_k, num_warps = 8, 512, 4
-    elif norm and n > _MANY_FEATURES:
+    elif norm and n > _MANY_FEATURES:  # an LM head + final norm: 70.6 us against 81.2 (0.6B)
         block_n, block_k, num_warps = 16, 512, 4
     elif norm and n > _FEW_FEATURES and 1024 < k <= 2048:
+        # Qwen3-30B-A3B's QKV + norm: 327.0 us against 380.1 (48 layers); at K 4,096 Llama-3.1-8B's
+        # step took 4.25 ms with it, 4.21 with the next tile
         block_n, block_k, num_warps = 8, 512, 8
-    elif norm and n > _FEW_FEATURES:
+    elif norm and n > _FEW_FEATURES:  # QKV + norm: 96.5 us against 105.4 at (16, 512, 8) (0.6B)
         block_n, block_k, num_warps = 16, 1024, 4
     elif n > _FEW_FEATURES:
         block_n, block_k, num_warps = 16, 512, 8
     elif k <= 2048:
+        # o_proj and down_proj, chosen in the model, where the next kernel needs SMs free to start
+        # its loads: a 0.6B step took 653.6 us against 663.8 with tiles that fill every SM
         block_n, block_k, num_warps = 8, 2048, 8
-    elif n > 1024:  # more features than Qwen3-0.6B's down_proj
+    elif n > 1024:  # Qwen3-30B-A3B's o_proj (K 4,096): 243.3 us against 295.4 (48 layers)
         block_n, block_k, num_warps = 1, 1024, 4
     else:
         block_n, block_k, num_warps = 2, 2048, 8

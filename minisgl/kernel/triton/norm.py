@@ -6,6 +6,19 @@ from .pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
+def add_rounded(x, residual):
+    """x + residual in fp32, rounded to x's dtype as torch's add_ rounds."""
+    return (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def rms_scaled(xf, inv_rms, weight, dtype: tl.constexpr):
+    """rmsnorm of fp32 xf given 1 / rms, in fp32: rounded to dtype before the (fp32) weight
+    multiply, as the reference (and Hugging Face) rounds."""
+    return (xf * inv_rms).to(dtype).to(tl.float32) * weight
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr,
     residual_ptr,
@@ -37,12 +50,10 @@ def _rmsnorm_kernel(
     if HAS_RESIDUAL:
         residual_ptrs = residual_ptr + row * stride_residual + cols
         residual = tl.load(residual_ptrs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # rounded as add_ rounds
+        x = add_rounded(x, residual)
         tl.store(residual_ptrs, x, mask=mask)
     xf = x.to(tl.float32)
-    normed = xf * tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
-    # the reference rounds to the input dtype before the weight multiply (as Hugging Face does)
-    y = normed.to(x.dtype).to(tl.float32) * weight
+    y = rms_scaled(xf, tl.rsqrt(tl.sum(xf * xf, 0) / n + eps), weight, x.dtype)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -4,6 +4,7 @@ import triton.language as tl
 
 from ..torch_ops import KVStore
 from .decode_attention import PREFETCH_MAX_BATCH
+from .norm import rms_scaled
 from .pdl import launch_next_then_wait, pdl_args, wait_for_previous
 
 
@@ -31,8 +32,8 @@ def _rotate_heads(
         scale = tl.rsqrt((tl.sum(x1f * x1f, 1) + tl.sum(x2f * x2f, 1)) / (2 * HALF) + eps)
         w1 = tl.load(norm_w_ptr + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(norm_w_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1f * scale[:, None]).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype)
-        x2 = ((x2f * scale[:, None]).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
+        x1 = rms_scaled(x1f, scale[:, None], w1, x1.dtype).to(x1.dtype)
+        x2 = rms_scaled(x2f, scale[:, None], w2, x2.dtype).to(x2.dtype)
     # in the tensor's dtype, like the reference: cos/sin cast first, each product rounded
     c, s = cos.to(x1.dtype)[None, :], sin.to(x1.dtype)[None, :]
     o1, o2 = _mul(x1, c) - _mul(x2, s), _mul(x2, c) + _mul(x1, s)

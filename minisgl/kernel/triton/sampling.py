@@ -35,12 +35,26 @@ def _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _first_best(x, index, size):
+    """(The index of x's first NaN, or else of its first maximum, which torch.argmax picks: a NaN
+    is above any number; the maximum, NaN for a NaN). size: past every index."""
+    is_nan = x != x
+    key = tl.where(is_nan, float("inf"), x.to(tl.float32))
+    top = tl.max(key, 0)
+    # among the keys equal to the top, NaNs rank first, then each by its index
+    rank = tl.min(tl.where(key == top, tl.where(is_nan, index, index + size), 2 * size), 0)
+    nan_first = rank < size
+    return tl.where(nan_first, rank, rank - size), tl.where(nan_first, float("nan"), top)
+
+
+@triton.jit
 def _best_of_row(max_ptr, best_ptr, row, num_chunks, BLOCK_C: tl.constexpr):
-    """The row's chunk maxima, and its most likely token: the first chunk holding the max, and in
-    it the first token (torch.argmax's rule on ties)."""
+    """The row's chunk maxima (NaN for a chunk holding one), and its most likely token: the first
+    chunk holding the max, and in it the first token."""
     c = tl.arange(0, BLOCK_C)
     chunk_max = tl.load(max_ptr + row * num_chunks + c, mask=c < num_chunks, other=-float("inf"))
-    return chunk_max, tl.load(best_ptr + row * num_chunks + tl.argmax(chunk_max, 0))
+    best_chunk, _max = _first_best(chunk_max, c, BLOCK_C)
+    return chunk_max, tl.load(best_ptr + row * num_chunks + best_chunk)
 
 
 @triton.jit
@@ -76,11 +90,11 @@ def _sample_kernel(
     wait_for_previous(USE_PDL)
     row, chunk, num_chunks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     # not `_`: Triton types a variable once, and `_` below is a float vector
-    _ids, x = _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK)
+    ids, x = _load_chunk(logits_ptr, row, chunk, stride_row, vocab, CHUNK)
     out = row * num_chunks + chunk
-    x_max = tl.max(x, 0).to(tl.float32)
+    best, x_max = _first_best(x, ids, chunk * CHUNK + CHUNK)
     tl.store(max_ptr + out, x_max)
-    tl.store(best_ptr + out, chunk * CHUNK + tl.argmax(x, 0))  # the first of equal maxima
+    tl.store(best_ptr + out, best)
     temperature = 0.0
     if SAMPLED:
         temperature = tl.load(temperatures_ptr + row)
