@@ -10,7 +10,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_
 
 from minisgl.distributed import set_tp_info
 from minisgl.kernel import torch_ops
-from minisgl.layers import get_rope, set_rope_device
+from minisgl.layers import get_rope
 from minisgl.models import ModelConfig
 from minisgl.models.decoder import DecoderLayer
 from minisgl.moe.torch_backend import TorchMoE
@@ -25,15 +25,14 @@ parser.add_argument(
 args = parser.parse_args()
 
 set_tp_info(0, 1)
-set_rope_device(
-    torch.device("cpu")
-)  # the RoPE table is real data and cannot live on the meta device
 config = ModelConfig.from_hf(cached_load_hf_config(resolve_model_path(args.model)))
 with (
     torch.device("meta"),
     torch_dtype(torch.bfloat16),
 ):  # build the structure only, allocating no memory
-    layer = DecoderLayer(config, 0, TorchMoE())  # the MoE backend runs a sparse layer's experts
+    # the MoE backend runs a sparse layer's experts; the device holds the RoPE table, which is
+    # real data and cannot live on the meta device
+    layer = DecoderLayer(config, 0, TorchMoE(), torch.device("cpu"))
 for name, t in layer.state_dict(prefix="model.layers.0").items():
     print(f"{name:<50} {tuple(t.shape)!s:<14} {t.dtype} {t.device}")
 
@@ -48,7 +47,7 @@ print(
 )
 
 hq, hkv, theta = config.num_qo_heads, config.num_kv_heads, config.rope_theta
-rope = get_rope(d, config.max_position_embeddings, theta)
+rope = get_rope(d, config.max_position_embeddings, theta, None, torch.device("cpu"))
 pos = torch.tensor([0, 7, config.max_position_embeddings - 1])
 q, k = torch.randn(3, hq * d), torch.randn(3, hkv * d)
 inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)

@@ -312,7 +312,7 @@ Column = TypeVar("Column")
 @dataclass(frozen=True)
 class BatchInputs(Generic[Column]):
     """A batch's inputs by name: integer columns on the host (numpy) or int32 views on the device
-    (torch), one form of the other. Entries index the flattened [slot, position] tables."""
+    (torch), one form or the other. Entries index the flattened [slot, position] tables."""
 
     # per token
     positions: Column

@@ -198,7 +198,10 @@ def test_a_killed_replica_fails_only_its_streams_in_flight(tmp_path: Path) -> No
 
     async def kill_replica_1() -> float:
         while len(ended) < STREAMS // 4 or len(started) - len(ended) < AT_ONCE:
-            assert len(started) < STREAMS, "the streams ran out before a quarter had ended"
+            assert len(started) < STREAMS, (
+                "the streams ran out before a quarter had ended",
+                {i: error for i, (_, error) in ended.items() if error is not None},
+            )
             await asyncio.sleep(0.01)
         replica_1 = [p for p in server.children if process_name(p).startswith("r1-")]
         for pid in replica_1:

@@ -35,6 +35,7 @@ HONOURED = {
 CHAT_ONLY = {"chat_template_kwargs"}  # honoured by chat, refused by completions (vLLM's extra)
 # the other fields an honoured one needs
 HONOURED_WITH = {
+    "stream_options": {"stream": True},
     "tool_choice": {"tools": [TOOL]},
     "parallel_tool_calls": {"tools": [TOOL], "tool_choice": "required"},
 }

@@ -80,7 +80,7 @@ class Scheduler:
         self._compiling: dict[int, tuple[Req, Future[Any]]] = {}  # waiting for their grammar
         self._wait_for_grammars = wait_for_grammars
         self._errors: list[ReqError] = []  # requests whose grammar failed, for the next outputs
-        self._processed: set[int] = set()  # requests whose params process the logits
+        self._processing_logits: set[int] = set()  # requests whose params process the logits
 
     # ------------------------------------------------------------------ requests in and out
     def add_requests(self, requests: Sequence[tuple[int, list[int], SamplingParams]]) -> None:
@@ -102,7 +102,7 @@ class Scheduler:
             req = Req(rid=rid, token_ids=list(prompt_ids), params=params, seed=seed)
             self._reqs[rid] = req
             if params.processes_logits:
-                self._processed.add(rid)
+                self._processing_logits.add(rid)
             if params.structured is None:
                 self.waiting.append(req)
             else:
@@ -328,7 +328,7 @@ class Scheduler:
         """Drop every record of the request but its place in the queues and its KV."""
         del self._reqs[req.rid]
         self._compiling.pop(req.rid, None)
-        self._processed.discard(req.rid)
+        self._processing_logits.discard(req.rid)
         self.grammars.drop(req.rid)
 
     def _finish(self, req: Req, reason: FinishReason, matched: int | None) -> Finished:
@@ -366,7 +366,9 @@ class Scheduler:
                 req.device_len += 1
         # scanned only while some request processes its logits: it costs each step's host time
         processed = (
-            [i for i in sample_rows if reqs[i].rid in self._processed] if self._processed else []
+            [i for i in sample_rows if reqs[i].rid in self._processing_logits]
+            if self._processing_logits
+            else []
         )
         return build_batch(
             reqs, prefix_lens, extend_lens, self.layout, sample_rows,
