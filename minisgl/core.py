@@ -52,11 +52,14 @@ class StructuredOutput:
         if not isinstance(self.json_object, bool):
             raise ValueError("a structured output's json_object must be a bool")
         if self.choice is not None:
-            if not isinstance(self.choice, (list, tuple)):
+            choice = self.choice
+            if (
+                not isinstance(choice, (list, tuple))
+                or not choice
+                or not all(isinstance(c, str) for c in choice)
+            ):
                 raise ValueError("a structured output's choice must be a non-empty list of strings")
-            object.__setattr__(self, "choice", tuple(self.choice))
-            if not self.choice or not all(isinstance(c, str) for c in self.choice):
-                raise ValueError("a structured output's choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", tuple(choice))
         given = [self.json_schema, self.json_object or None, self.regex, self.choice, self.grammar]
         if sum(g is not None for g in given) != 1:
             raise ValueError("a structured output sets exactly one of json, regex, choice, grammar")

@@ -16,7 +16,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.server.cli import build_parser
 
-from .conftest import DEVICE, tokenizer_library_imports_torch
+from .conftest import tokenizer_library_imports_torch
 from .server_process import ServerProcess, process_name, wait_for
 from .stress.checks import assert_clean
 
@@ -37,12 +37,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     )
     yield s
     s.stop(signal.SIGINT)
-
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    """The offline engine on the same model: the reference for what the server must return."""
-    return LLM(device=DEVICE, dtype="float32", max_kv_tokens=4096)
 
 
 def test_console_script_help_explains_every_option() -> None:
@@ -68,8 +62,12 @@ def test_models_lists_the_served_model_and_health_is_ok(server: ServerProcess) -
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_greedy_completion_equals_the_offline_engine(server: ServerProcess, llm: LLM) -> None:
-    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+def test_greedy_completion_equals_the_offline_engine(
+    server: ServerProcess, stories_llm: LLM
+) -> None:
+    want = stories_llm.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+    )[0]
     got = server.client().completions.create(
         model=MODEL, prompt=PROMPT, temperature=0, max_tokens=24
     )
@@ -129,11 +127,11 @@ def test_stop_string_ends_the_text_before_it(server: ServerProcess) -> None:
 
 
 def test_finish_reason_is_length_at_max_tokens_and_stop_at_a_stop_token(
-    server: ServerProcess, llm: LLM
+    server: ServerProcess, stories_llm: LLM
 ) -> None:
-    ids = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0][
-        "token_ids"
-    ]
+    ids = stories_llm.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
+    )[0]["token_ids"]
     client = server.client()
     kwargs = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=10)
     length = client.completions.create(**kwargs)
@@ -144,9 +142,9 @@ def test_finish_reason_is_length_at_max_tokens_and_stop_at_a_stop_token(
     assert stop.usage.completion_tokens == ids.index(ids[5]) + 1
 
 
-def test_usage_counts_prompt_and_completion_tokens(server: ServerProcess, llm: LLM) -> None:
+def test_usage_counts_prompt_and_completion_tokens(server: ServerProcess, stories_llm: LLM) -> None:
     got = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=12)
-    prompt_tokens = len(llm.tokenizer.encode(PROMPT))
+    prompt_tokens = len(stories_llm.tokenizer.encode(PROMPT))
     assert got.usage.prompt_tokens == prompt_tokens
     assert got.usage.completion_tokens == 12
     assert got.usage.total_tokens == prompt_tokens + 12
@@ -385,19 +383,23 @@ def test_a_max_tokens_that_cannot_fit_is_a_400_with_the_numbers(server: ServerPr
     assert fits.status_code == 200
 
 
-def test_tokenize_detokenize_version_and_a_model_by_id(server: ServerProcess, llm: LLM) -> None:
+def test_tokenize_detokenize_version_and_a_model_by_id(
+    server: ServerProcess, stories_llm: LLM
+) -> None:
     post = lambda path, body: server.post(path, json=body)
-    ids = llm.tokenizer.encode(PROMPT)
+    ids = stories_llm.tokenizer.encode(PROMPT)
     got = post("/tokenize", {"model": MODEL, "prompt": PROMPT}).json()
     assert got == {"count": len(ids), "max_model_len": 2048, "tokens": ids}
     chat = post("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
-    assert chat["tokens"] == llm.tokenizer.encode(
-        llm.tokenizer.apply_chat_template(
+    assert chat["tokens"] == stories_llm.tokenizer.encode(
+        stories_llm.tokenizer.apply_chat_template(
             [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
         ),
         add_special_tokens=False,
     )
-    assert post("/detokenize", {"tokens": ids}).json() == {"prompt": llm.tokenizer.decode(ids)}
+    assert post("/detokenize", {"tokens": ids}).json() == {
+        "prompt": stories_llm.tokenizer.decode(ids)
+    }
     assert post("/detokenize", {"tokens": [10**6]}).status_code == 400
     assert post("/tokenize", {"prompt": "x", "messages": []}).status_code == 400
     headers = server.headers

@@ -359,8 +359,8 @@ class Scheduler:
             req.cached_len += extend
             if req.cached_len == req.device_len:  # the whole known sequence is computed: sample
                 sample_rows.append(i)
-                # a prompt (or a preempted request's recomputation) just finished, if only by
-                # one token: share its pages with later requests
+                # a prompt just finished (if only by one token), or a recomputation by more than
+                # one: share its pages with later requests
                 if extend > 1 or prefix_lens[i] < req.num_prompt_tokens:
                     self.kv.cache_prefix(req.slot, req.token_ids[: req.cached_len])
                 req.device_len += 1

@@ -226,8 +226,8 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             template_kwargs=body.chat_template_kwargs,
         )  # fmt: skip
         return await generate(
-            request, client, fmt, args.served_model_name, tokenize, want_logprobs=body.logprobs, stream=body.stream, include_usage=body.include_usage,
-            timeout=args.request_timeout,
+            request, client, fmt, args.served_model_name, tokenize, want_logprobs=body.logprobs,
+            stream=body.stream, include_usage=body.include_usage, timeout=args.request_timeout,
         )  # fmt: skip
 
     @app.post("/v1/responses")
