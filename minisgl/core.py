@@ -37,7 +37,7 @@ class StructuredOutput:
     """A constraint on the output text, compiled to a grammar in the scheduler process (xgrammar).
     Exactly one kind is set."""
 
-    json_schema: str | None = None  # a JSON schema, as JSON text
+    json_schema: str | Mapping[str, Any] | None = None  # a JSON schema: JSON text, or an object
     json_object: bool = False  # any JSON object
     regex: str | None = None
     choice: Sequence[str] | None = None  # one of these strings
@@ -45,7 +45,11 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, Mapping):  # a schema given as an object, as vLLM takes it
-            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+            try:
+                text = json.dumps(self.json_schema)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"a structured output's json_schema is not JSON: {e}") from None
+            object.__setattr__(self, "json_schema", text)
         for name in ("json_schema", "regex", "grammar"):
             if not isinstance(getattr(self, name), (str, type(None))):
                 raise ValueError(f"a structured output's {name} must be a string")

@@ -113,7 +113,8 @@ class LLM:
     ) -> list[dict[str, Any]]:
         """One result dict per prompt and choice: prompt by prompt, each prompt's choices (its
         params' n) in order. Bad input raises ValueError before anything runs; an exception
-        while it runs (Ctrl-C) aborts the requests it added."""
+        while it runs (Ctrl-C) aborts the requests it added and empties the prefix cache (the
+        step it cut off may have published pages before writing them)."""
         prompt_ids = self._tokenize(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             prompt_params = [sampling_params or SamplingParams()] * len(prompt_ids)
@@ -134,33 +135,39 @@ class LLM:
             add.rids.append([next(self._rids) for _ in choices])
             add.params.append(choices)
         arrival = time.perf_counter()
-        # the server's way in: every rank applies the same messages in the same step
-        messages: list[Message] = [add]
-        out = self._worker.step(messages)
-        if out.errors:  # all the requests or none are added: none were
-            raise ValueError(out.errors[0].message)
-        runs = {
-            rid: _Run(self.tokenizer, prompt, p, arrival)
-            for prompt, rids, choices in zip(add.prompts, add.rids, add.params, strict=True)
-            for rid, p in zip(rids, choices, strict=True)
-        }
+        runs: dict[int, _Run] = {}
         try:
-            with tqdm(total=len(runs), desc="generate", disable=not use_tqdm) as bar:
-                while True:
-                    now = time.perf_counter()  # when this step's tokens reached the host
-                    # a stop string matched: the request ends in the next step, as in the server
-                    stopped = self._apply(out, runs, now)
-                    bar.update(sum(f.rid in runs for f in out.finished))
-                    messages = [AbortRequest(stopped)] if stopped else []
-                    if not messages and not self.scheduler.has_work:
-                        break
-                    out = self._worker.step(messages)
+            # the server's way in: every rank applies the same messages in the same step
+            out = self._worker.step([add])
+            if not out.errors:  # all the requests or none are added
+                runs = {
+                    rid: _Run(self.tokenizer, prompt, p, arrival)
+                    for prompt, rids, choices in zip(add.prompts, add.rids, add.params, strict=True)
+                    for rid, p in zip(rids, choices, strict=True)
+                }
+                self._run_to_end(out, runs, use_tqdm)
         except BaseException:
-            # the next call must not run these requests to their end first
-            unfinished = [rid for rid, run in runs.items() if run.result["finish_reason"] is None]
-            self._worker.step([AbortRequest(unfinished)])
+            # the next call must not run these requests to their end first, nor read the pages
+            # of a step that was cut off before it wrote them
+            ended = {rid for rid, run in runs.items() if run.result["finish_reason"] is not None}
+            unfinished = [rid for rid in itertools.chain(*add.rids) if rid not in ended]
+            self._worker.step([AbortRequest(unfinished), FlushPrefixCache()])
             raise
+        if out.errors:
+            raise ValueError(out.errors[0].message)
         return [runs[rid].result for rid in itertools.chain(*add.rids)]
+
+    def _run_to_end(self, out: StepOutputs, runs: dict[int, "_Run"], use_tqdm: bool) -> None:
+        with tqdm(total=len(runs), desc="generate", disable=not use_tqdm) as bar:
+            while True:
+                now = time.perf_counter()  # when this step's tokens reached the host
+                # a stop string matched: the request ends in the next step, as in the server
+                stopped = self._apply(out, runs, now)
+                bar.update(sum(f.rid in runs for f in out.finished))
+                messages: list[Message] = [AbortRequest(stopped)] if stopped else []
+                if not messages and not self.scheduler.has_work:
+                    return
+                out = self._worker.step(messages)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's `reset_prefix_cache`), on every TP rank."""

@@ -3,6 +3,7 @@
 import json
 import signal
 import threading
+import time
 
 import pytest
 
@@ -88,6 +89,7 @@ def test_bad_sampling_params_raise(llm: LLM, expected: list[int], params: dict, 
         ({"regex": 3}, "regex"),
         ({"json_object": 1}, "json_object"),
         ({"json_schema": {"type": "object"}, "regex": "a"}, "exactly one"),
+        ({"json_schema": {"enum": [{1, 2}]}}, "json_schema is not JSON"),
     ],
 )
 def test_bad_structured_outputs_raise(fields: dict, match: str) -> None:
@@ -117,17 +119,42 @@ def test_params_that_are_no_sampling_params_raise(llm: LLM, expected: list[int],
     assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
 
 
-def test_an_interrupted_generate_aborts_its_requests(llm: LLM, expected: list[int]) -> None:
-    """Ctrl-C in generate leaves nothing running: the next call does not first finish it."""
-    long = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
-    timer = threading.Timer(0.2, signal.raise_signal, (signal.SIGINT,))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate([GOOD] * 4, long, use_tqdm=False)  # ~1 s on 2 cores
-    timer.join()
+def _interrupt_after(llm: LLM, steps: int, done: threading.Event) -> threading.Thread:
+    """A thread that sends SIGINT once the scheduler has launched `steps` more steps, unless
+    `done` is set first."""
+    target = llm.scheduler.stats.steps + steps
+
+    def watch() -> None:
+        while not done.is_set():
+            if llm.scheduler.stats.steps >= target:
+                signal.raise_signal(signal.SIGINT)
+                return
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5, 40])
+def test_an_interrupted_generate_aborts_its_requests_and_forgets_their_pages(
+    llm: LLM, expected: list[int], steps: int
+) -> None:
+    """Ctrl-C in generate leaves nothing running (the next call does not first finish it) and
+    nothing cached: the step it cut off may have published pages it had not yet written."""
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    prompts = [GOOD * 3, GOOD * 3 + [7], GOOD, GOOD * 2]  # prefixes shared with each other
+    done = threading.Event()
+    watcher = _interrupt_after(llm, steps, done)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, long, use_tqdm=False)  # ~1 s on 2 cores: 200 steps and more
+    finally:
+        done.set()
+        watcher.join()
     assert not llm.scheduler.has_work
     llm.scheduler.check_integrity()
-    assert llm.scheduler.kv.used_pages == len(llm.scheduler.kv.prefix_cache.cached_pages())
+    assert llm.scheduler.kv.used_pages == 0
     assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
 
 
