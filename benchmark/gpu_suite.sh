@@ -9,7 +9,8 @@
 #         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all;
 #         also moe-sweep, the GEMV tiles at one token, and moe-profile)
 #
-# Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh).
+# Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh
+# jsonschema hypothesis; xgrammar and apache-tvm-ffi by `pip download --no-deps`: its torch must not come).
 set -uo pipefail
 tree_hash() {  # the code that runs: the device's copy of .git can be stale, the files are not
   find minisgl benchmark tests -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12
@@ -141,8 +142,9 @@ for part in "$@"; do
       # `git archive REV minisgl benchmark | tar -x -C .baseline`
       (ln -sfn ../tests .baseline/tests && cd .baseline && PYTHONPATH="$OLDPWD/.site" \
         OUT="$OUT/baseline" bash benchmark/gpu_suite.sh ${BASELINE_PARTS:-bench latency}) ;;
-    tests)  # four workers (the image has pytest-xdist), a module per worker, failures listed last
-      MINISGL_TEST_DEVICE=cuda step tests "${TESTS_LIMIT:-420}" python3 -m pytest -q -rf -n 4 --dist loadfile \
+    tests)  # four workers (the image has pytest-xdist), a module per worker; -v names each failure
+      # as it happens, so a run cut off by its limit still says which failed
+      MINISGL_TEST_DEVICE=cuda step tests "${TESTS_LIMIT:-420}" python3 -m pytest -v -rf -n 4 --dist loadfile \
         --timeout 300 --durations=10 -p no:cacheprovider tests ;;
     tests-engine)  # everything but the server processes (--dp's router is no wheel there); ~10 min
       # in all, so split over calls with TESTS, e.g. TESTS='tests/test_[a-l]*.py', then [m-z]

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ..conftest import DEVICE
 from ..server_process import ServerProcess
 from .checks import (
     GENERATED,
@@ -174,6 +175,9 @@ def test_n_128_and_2048_prompts_are_served(server: ServerProcess, body: dict, ch
     assert_clean(server, before)
 
 
+@pytest.mark.skipif(
+    DEVICE == "cuda", reason="on the H200 the 128 requests end within the small one's round trip"
+)
 def test_another_client_is_served_while_a_128_choice_request_runs(server: ServerProcess) -> None:
     before = server.metrics()
     # 128 x 100 tokens fit the pool: nothing is preempted, the small request only shares batches
