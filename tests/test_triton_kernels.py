@@ -58,10 +58,17 @@ class PagedKV:
     """A one-layer pool filled with random K/V and a page table whose pages are scattered at random;
     request i lives in page-table row slots[i] (not i) so the slot indirection is exercised."""
 
-    def __init__(self, seq_lens: list[int], page_size: int, kv_heads: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        seq_lens: list[int],
+        page_size: int,
+        kv_heads: int,
+        dtype: torch.dtype,
+        head_dim: int = HEAD_DIM,
+    ) -> None:
         pages_per_req = [-(-n // page_size) for n in seq_lens]
         num_pages = sum(pages_per_req) + 3  # a few unused pages
-        self.pool = KVPool(1, num_pages, page_size, kv_heads, HEAD_DIM, dtype, torch.device(DEVICE))
+        self.pool = KVPool(1, num_pages, page_size, kv_heads, head_dim, dtype, torch.device(DEVICE))
         self.pool.k_cache(0).copy_(randn(*self.pool.k_cache(0).shape, dtype=dtype))
         self.pool.v_cache(0).copy_(randn(*self.pool.v_cache(0).shape, dtype=dtype))
         width = max(pages_per_req) * page_size
@@ -134,12 +141,14 @@ def attend(
     return backend.forward(q, 0, batch.forward_batch(backend))
 
 
-def new_qkv(batch: DeviceBatch, qo_heads: int, kv_heads: int, dtype: torch.dtype):
+def new_qkv(
+    batch: DeviceBatch, qo_heads: int, kv_heads: int, dtype: torch.dtype, head_dim: int = HEAD_DIM
+):
     tokens = batch.plan.num_tokens
     return (
-        randn(tokens, qo_heads, HEAD_DIM, dtype=dtype),
-        randn(tokens, kv_heads, HEAD_DIM, dtype=dtype),
-        randn(tokens, kv_heads, HEAD_DIM, dtype=dtype),
+        randn(tokens, qo_heads, head_dim, dtype=dtype),
+        randn(tokens, kv_heads, head_dim, dtype=dtype),
+        randn(tokens, kv_heads, head_dim, dtype=dtype),
     )
 
 
@@ -187,6 +196,22 @@ def test_decode_attention_matches_reference_for_any_split_count(
         got = triton_ops.decode_attention(q, *args, num_splits, counters, None, launch)
         assert_close(got, want, ATTENTION_TOL[dtype])
         assert counters.count_nonzero() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_reduce_loads_its_splits_in_more_than_one_chunk(dtype):
+    """2,100 keys over 32 splits use 17 of them (128 keys each); at head_dim 128 the reduce of a
+    group of 3 query heads (padded to 4) loads 16 splits' partials at a time, so it takes two."""
+    torch.manual_seed(0)
+    kv = PagedKV([2100], 16, 2, dtype, head_dim=128)
+    batch = kv.batch([2099], [1])
+    q, k, v = new_qkv(batch, 6, 2, dtype, head_dim=128)
+    want = attend(kv.backend("torch"), batch, (q, k, v))
+    counters = torch.zeros(6, dtype=torch.int32, device=DEVICE)
+    launch = triton_ops.DecodeLaunch(64)
+    got = triton_ops.decode_attention(q, *kv.decode_args(batch), 32, counters, None, launch)
+    assert_close(got, want, ATTENTION_TOL[dtype])
+    assert counters.count_nonzero() == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -58,6 +58,7 @@ _FEW_REQUESTS_PROGRAMS_PER_SM = 2
 _MULTI_REQUEST_BLOCK_N = 128
 _LARGE_BATCH_PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 32
+_REDUCE_ELEMENTS = 8192  # fp32 partials the reduce loads at once: 64 registers a thread at 4 warps
 PREFETCH_MAX_BATCH = 16
 _HOPPER_SHARED_MEMORY = 232_448  # bytes a program may use on an H100 or H200 (an A100: 166,912)
 
@@ -163,6 +164,8 @@ def _split_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    CHUNK_S: tl.constexpr,
     PREFETCH: tl.constexpr,
     ORDERED: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -242,6 +245,7 @@ def _split_kernel(
             _reduce_splits(
                 mid_o_ptr, mid_lse_ptr, o_ptr + req * stride_o_tok, (req * qo_heads) * NUM_SPLITS,
                 head_block, num_used, stride_o_head, HEADS, NUM_SPLITS, HEAD_DIM, BLOCK_S, BLOCK_D,
+                BLOCK_HEADS, CHUNK_S,
             )  # fmt: skip
 
 
@@ -259,24 +263,42 @@ def _reduce_splits(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    CHUNK_S: tl.constexpr,
 ):
-    """Combine the used splits' partial outputs of the head block's query heads. The loads bypass
-    L1: the partials were written by other programs."""
+    """Combine the used splits' partial outputs of the head block's query heads: all heads in one
+    load per CHUNK_S splits, not a load and a store per head in turn (one request at 32/4 heads
+    and 768 keys: 5.5 us against 8.2, H200, bf16, in a CUDA graph). BLOCK_HEADS: HEADS rounded up
+    to a power of two. The loads bypass L1: other programs wrote them."""
+    h = tl.arange(0, BLOCK_HEADS)
+    head_rows = first_row + (head_block * HEADS + tl.minimum(h, HEADS - 1)) * NUM_SPLITS
     s = tl.arange(0, BLOCK_S)
+    lse = tl.load(
+        mid_lse_ptr + head_rows[:, None] + s[None, :], mask=(s < num_used)[None, :],
+        other=float("-inf"), cache_modifier=".cg",
+    )  # fmt: skip
+    top = tl.max(lse, 1)
+    total = tl.sum(tl.exp2(lse - top[:, None]), 1)
+    c = tl.arange(0, CHUNK_S)
     d = tl.arange(0, BLOCK_D)
-    used = s < num_used
-    for g in tl.static_range(HEADS):
-        head = head_block * HEADS + g
-        row = first_row + head * NUM_SPLITS + s
-        lse = tl.load(mid_lse_ptr + row, mask=used, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.exp2(lse - tl.max(lse, 0))
+    acc = tl.zeros([BLOCK_HEADS, BLOCK_D], dtype=tl.float32)
+    for first in range(0, num_used, CHUNK_S):
+        used = (first + c < num_used)[None, :]
+        rows = head_rows[:, None] + first + c[None, :]
+        weight = tl.exp2(
+            tl.load(mid_lse_ptr + rows, mask=used, other=float("-inf"), cache_modifier=".cg")
+            - top[:, None]
+        )
         partial = tl.load(
-            mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=used[:, None], other=0.0,
-            cache_modifier=".cg",
+            mid_o_ptr + rows[:, :, None] * BLOCK_D + d[None, None, :], mask=used[:, :, None],
+            other=0.0, cache_modifier=".cg",
         )  # fmt: skip
-        out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
-        o_ptrs = o_req_ptr + head * stride_o_head + d
-        tl.store(o_ptrs, out.to(o_req_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        acc += tl.sum(weight[:, :, None] * partial, 1)
+    out = acc / total[:, None]
+    heads = head_block * HEADS + h
+    o_ptrs = o_req_ptr + heads[:, None] * stride_o_head + d[None, :]
+    o_mask = (h < HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    tl.store(o_ptrs, out.to(o_req_ptr.dtype.element_ty), mask=o_mask)
 
 
 def decode_attention(
@@ -313,6 +335,7 @@ def decode_attention(
     assert group % heads == 0 and split_counters.numel() >= bs * qo_heads // heads
     ordered = longest_first is not None and bs > PREFETCH_MAX_BATCH
     order = longest_first if ordered else seq_lens  # unordered: any int32 pointer, never read
+    block_s, block_heads = triton.next_power_of_2(num_splits), triton.next_power_of_2(heads)
     _split_kernel[(num_splits, qo_heads // heads, bs)](
         q, k_cache, v_cache, page_table, slots, seq_lens, order,
         mid_o, mid_lse, out, split_counters,
@@ -320,7 +343,8 @@ def decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         GROUP=group, HEADS=heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(heads),
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_HEADS=block_heads,
+        CHUNK_S=min(block_s, max(1, _REDUCE_ELEMENTS // (block_heads * block_d))),
         PREFETCH=bs <= PREFETCH_MAX_BATCH, ORDERED=ordered, num_warps=num_warps,
         num_stages=num_stages,
         **pdl_args(q.device),
