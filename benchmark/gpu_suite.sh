@@ -3,7 +3,7 @@
 # Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
 #
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
-#   PART: kernels sweep-attention sweep-one-request gemv gemv-a3b host latency latency-8b bench bench-hf profile profile-shapes shapes
+#   PART: kernels decode-heads sweep-attention sweep-one-request gemv gemv-a3b host latency latency-8b bench bench-hf profile profile-shapes shapes
 #         prefill prefill-0.6b prefill-profile latency-profile cprofile
 #         ablations pdl baseline tests tests-engine tests-tp tp2 serving serving-8b
 #         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all;
@@ -96,6 +96,8 @@ for part in "$@"; do
     sweep-one-request)  # one request's decode attention at 8:1 (Qwen3-30B-A3B) and 2:1 groups
       step sweep_one_request 300 python3 benchmark/kernel/sweep_decode_attention.py \
         --one-request 32,4 16,8 --contexts 768 2048 --top 10 ;;
+    decode-heads)  # decode attention's default launch at the presets' head counts, batches 1-16
+      step decode_heads 180 python3 benchmark/kernel/bench_decode_heads.py ;;
     gemv) step gemv 240 python3 benchmark/kernel/bench_gemv.py --json "$OUT/gemv.json" ;;
     gemv-a3b)  # Qwen3-30B-A3B's QKV, o_proj and LM head GEMVs at one row, the tile sweep
       step gemv_a3b 300 python3 benchmark/kernel/bench_gemv.py --sweep \
