@@ -71,6 +71,24 @@ def test_programmatic_dependent_launch_changes_no_token(checkpoint, monkeypatch)
     assert tokens["1"] == tokens["0"]
 
 
+def test_decode_after_the_graphs_are_released_gives_their_tokens(checkpoint) -> None:
+    """A TP engine's close releases its CUDA graphs before it leaves the group (NCCL's finalize
+    waits for every graph holding a collective); decode steps then run uncaptured, the same
+    kernels on the same static buffers, so not one token may change."""
+    path = checkpoint("qwen3", max_position_embeddings=1024)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(1, 300))] for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(path), dtype="bfloat16", max_kv_tokens=16384)
+    runner = llm.engine.graph_runner
+    assert runner is not None and runner._graphs
+    captured = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    runner.release()
+    assert not runner._graphs
+    llm.reset_prefix_cache()
+    assert [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)] == captured
+
+
 def test_dummy_weights_in_the_qwen3_06b_shape_generate() -> None:
     llm = LLM(
         str(QWEN3_TOKENIZER), dummy_weights=True, max_running_requests=8, max_kv_tokens=4096,

@@ -130,8 +130,12 @@ class Engine:
         ]
 
     def close(self) -> None:
-        """Leave the TP group, if any, so that a later engine in this process may join one."""
+        """Leave the TP group, if any, so that a later engine in this process may join one. The
+        graphs go first: NCCL's finalize waits until no CUDA graph holds a collective of the
+        group, so with them alive it never returns."""
         if self.config.tp_size > 1:
+            if self.graph_runner is not None:
+                self.graph_runner.release()
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ building

@@ -115,6 +115,14 @@ class GraphRunner:
         torch.cuda.current_stream(device).wait_stream(stream)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
+    def release(self) -> None:
+        """Destroy the captured graphs now; replays then run the step uncaptured, as the CPU's."""
+        if self._graphs:
+            torch.cuda.synchronize()  # no replay may still be running
+        for graph, _, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+
     def can_run(self, batch: Batch) -> bool:
         """A decode batch whose only table writes are at most one page entry per request (a
         request admitted with a one-token prompt, or readmitted, writes more: it runs eagerly)."""
