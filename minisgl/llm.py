@@ -252,16 +252,18 @@ class _Run:
 
 
 def _stop_followers(worker: SchedulerWorker | None, followers: list[BaseProcess]) -> None:
-    """Tell the other ranks to stop (when they follow `worker`), wait for them, leave the group."""
+    """Tell the other ranks to stop (when they follow `worker`), leave the group with them, then
+    wait for them: NCCL's teardown synchronises the ranks of a node (a rank's destroy waits for
+    the others'), so rank 0 must not wait for theirs to end before it starts its own."""
     if worker is not None and worker.lockstep is not None:
         worker.lockstep.send(None)
+    if worker is not None:
+        worker.scheduler.engine.close()
     for proc in followers:
         proc.join(_STOP_TIMEOUT_S if worker is not None else 0)
         if proc.is_alive():
             proc.kill()
             proc.join()
-    if worker is not None:
-        worker.scheduler.engine.close()
 
 
 def _offline_chunk_size(device: torch.device) -> int:

@@ -81,10 +81,10 @@ def test_decode_after_the_graphs_are_released_gives_their_tokens(checkpoint) -> 
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(str(path), dtype="bfloat16", max_kv_tokens=16384)
     runner = llm.engine.graph_runner
-    assert runner is not None and runner._graphs
+    assert runner is not None and runner.captured
     captured = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
     runner.release()
-    assert not runner._graphs
+    assert not runner.captured
     llm.reset_prefix_cache()
     assert [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)] == captured
 

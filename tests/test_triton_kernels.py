@@ -23,6 +23,7 @@ from minisgl.engine.context import ForwardBatch, load_inputs
 from minisgl.engine.engine import upload
 from minisgl.kernel import KVStore, torch_ops
 from minisgl.kernel import triton as triton_ops
+from minisgl.kernel.triton.decode_attention import reduce_chunk
 from minisgl.kvcache.pool import KVPool
 from minisgl.llm import LLM
 from minisgl.scheduler.batch_builder import build_batch
@@ -202,6 +203,7 @@ def test_decode_attention_matches_reference_for_any_split_count(
 def test_decode_reduce_loads_its_splits_in_more_than_one_chunk(dtype):
     """2,100 keys over 32 splits use 17 of them (128 keys each); at head_dim 128 the reduce of a
     group of 3 query heads (padded to 4) loads 16 splits' partials at a time, so it takes two."""
+    assert reduce_chunk(3, 128, 32) == 16
     torch.manual_seed(0)
     kv = PagedKV([2100], 16, 2, dtype, head_dim=128)
     batch = kv.batch([2099], [1])

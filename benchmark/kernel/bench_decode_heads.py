@@ -13,7 +13,12 @@ import torch
 from bench_attention import HEAD_DIM, Setup
 from triton.testing import do_bench_cudagraph
 
-from minisgl.kernel.triton import decode_attention, decode_num_splits, num_sms
+from minisgl.kernel.triton import (
+    decode_attention,
+    decode_num_splits,
+    num_sms,
+    split_counter_count,
+)
 
 HEADS = ((32, 4), (16, 8), (28, 4), (32, 8))  # (query heads, KV heads)
 
@@ -28,7 +33,9 @@ def main() -> None:
                 setup = Setup([ctx] * bs, 1, torch.bfloat16, kv)
                 q = torch.randn(bs, qo, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
                 _, inputs = setup.batch(1)
-                counters = torch.zeros(max(bs, 2) * qo, dtype=torch.int32, device="cuda")
+                counters = torch.zeros(
+                    split_counter_count(bs, kv), dtype=torch.int32, device="cuda"
+                )
                 splits = decode_num_splits(bs, kv, num_sms(q.device))
                 launch = functools.partial(
                     decode_attention, q, *setup.kernel_args(inputs), splits, counters,

@@ -115,6 +115,11 @@ class GraphRunner:
         torch.cuda.current_stream(device).wait_stream(stream)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
+    @property
+    def captured(self) -> bool:
+        """Whether replays run captured graphs (on CUDA, until `release`)."""
+        return bool(self._graphs)
+
     def release(self) -> None:
         """Destroy the captured graphs now; replays then run the step uncaptured, as the CPU's."""
         if self._graphs:

@@ -58,7 +58,9 @@ _FEW_REQUESTS_PROGRAMS_PER_SM = 2
 _MULTI_REQUEST_BLOCK_N = 128
 _LARGE_BATCH_PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 32
-_REDUCE_ELEMENTS = 8192  # fp32 partials the reduce loads at once: 64 registers a thread at 4 warps
+# fp32 partials the reduce loads at once (one split's heads x head_dim where that is more): 64
+# registers a thread at 4 warps
+_REDUCE_ELEMENTS = 8192
 PREFETCH_MAX_BATCH = 16
 _HOPPER_SHARED_MEMORY = 232_448  # bytes a program may use on an H100 or H200 (an A100: 166,912)
 
@@ -125,6 +127,14 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
     else:
         splits = triton.cdiv(_LARGE_BATCH_PROGRAMS_PER_SM * sms, pairs)
     return max(1, min(_MAX_SPLITS, splits))
+
+
+def reduce_chunk(heads: int, block_d: int, num_splits: int) -> int:
+    """Splits whose partials the reduce loads at once for a block of `heads` query heads."""
+    block_heads = triton.next_power_of_2(heads)
+    return min(
+        triton.next_power_of_2(num_splits), max(1, _REDUCE_ELEMENTS // (block_heads * block_d))
+    )
 
 
 @triton.jit
@@ -271,6 +281,7 @@ def _reduce_splits(
     and 768 keys: 5.5 us against 8.2, H200, bf16, in a CUDA graph). BLOCK_HEADS: HEADS rounded up
     to a power of two. The loads bypass L1: other programs wrote them."""
     h = tl.arange(0, BLOCK_HEADS)
+    # padded heads re-read the last real head's rows: in bounds, and no row of -inf only
     head_rows = first_row + (head_block * HEADS + tl.minimum(h, HEADS - 1)) * NUM_SPLITS
     s = tl.arange(0, BLOCK_S)
     lse = tl.load(
@@ -335,7 +346,7 @@ def decode_attention(
     assert group % heads == 0 and split_counters.numel() >= bs * qo_heads // heads
     ordered = longest_first is not None and bs > PREFETCH_MAX_BATCH
     order = longest_first if ordered else seq_lens  # unordered: any int32 pointer, never read
-    block_s, block_heads = triton.next_power_of_2(num_splits), triton.next_power_of_2(heads)
+    block_heads = triton.next_power_of_2(heads)
     _split_kernel[(num_splits, qo_heads // heads, bs)](
         q, k_cache, v_cache, page_table, slots, seq_lens, order,
         mid_o, mid_lse, out, split_counters,
@@ -343,8 +354,8 @@ def decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         GROUP=group, HEADS=heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_H=dot_block(heads),
-        BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_HEADS=block_heads,
-        CHUNK_S=min(block_s, max(1, _REDUCE_ELEMENTS // (block_heads * block_d))),
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_HEADS=block_heads, CHUNK_S=reduce_chunk(heads, block_d, num_splits),
         PREFETCH=bs <= PREFETCH_MAX_BATCH, ORDERED=ordered, num_warps=num_warps,
         num_stages=num_stages,
         **pdl_args(q.device),
