@@ -7,7 +7,8 @@
 #         prefill prefill-0.6b prefill-profile latency-profile cprofile
 #         ablations pdl baseline tests tests-engine tests-tp tp2 serving serving-8b
 #         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all;
-#         also moe-sweep, the GEMV tiles at one token, and moe-profile)
+#         also moe-kernel-few (the GEMV path's token counts), moe-sweep (its tiles at one token),
+#         moe-profile and moe-profile-pdl)
 #
 # Serving packages missing on that machine travel as wheels in .whl/ (../shared/device/fetch-wheels.sh
 # jsonschema hypothesis; xgrammar and apache-tvm-ffi by `pip download --no-deps`: its torch must not come).
@@ -75,11 +76,16 @@ moe() {  # moe PART...: the MoE tests on CUDA, bench_moe.py, and latency.py and 
       tests) MINISGL_TEST_DEVICE=cuda step moe_tests 420 python3 -m pytest -q -rf -p no:cacheprovider \
         --durations=10 -k moe tests/test_fused_moe.py tests/test_moe.py tests/test_models.py tests/test_gpu.py ;;
       kernel) step moe_kernel 240 python3 benchmark/kernel/bench_moe.py --json "$OUT/moe_kernel.json" ;;
+      kernel-few) step moe_kernel_few 120 python3 benchmark/kernel/bench_moe.py --tokens 1 2 4 8 \
+        --json "$OUT/moe_kernel_few.json" ;;
       sweep) step moe_sweep 300 python3 benchmark/kernel/bench_moe.py --sweep --tokens 1 2 4 \
         --json "$OUT/moe_sweep.json" ;;
       profile)  # one request's steps kernel by kernel, PDL off so that kernel times do not overlap
         step moe_profile 300 env MINISGL_PDL=0 python3 benchmark/offline/bench.py --skip-hf --profile \
           --num-requests 1 --min-len 256 --max-len 512 --model $preset --json "$OUT/moe_profile.json" ;;
+      profile-pdl)  # the same with PDL on: the critical-path table charges each kernel its share
+        step moe_profile_pdl 300 python3 benchmark/offline/bench.py --skip-hf --profile \
+          --num-requests 1 --min-len 256 --max-len 512 --model $preset --json "$OUT/moe_profile_pdl.json" ;;
       latency) step moe_latency 300 python3 benchmark/offline/latency.py --model $preset \
         --json "$OUT/moe_latency.json" ;;
       bench) step moe_bench 540 python3 benchmark/offline/bench.py --skip-hf --model $preset \
@@ -101,7 +107,7 @@ for part in "$@"; do
     gemv) step gemv 240 python3 benchmark/kernel/bench_gemv.py --json "$OUT/gemv.json" ;;
     gemv-a3b)  # Qwen3-30B-A3B's QKV, o_proj and LM head GEMVs at one row, the tile sweep
       step gemv_a3b 300 python3 benchmark/kernel/bench_gemv.py --sweep \
-        --shapes a3b_qkv_proj a3b_o_proj a3b_lm_head --json "$OUT/gemv_a3b.json" ;;
+        --shapes ${GEMV_SHAPES:-a3b_qkv_proj a3b_o_proj a3b_lm_head} --json "$OUT/gemv_a3b.json" ;;
     host) step host 120 python3 benchmark/host/bench_decode_step.py --device cuda ;;
     latency) step latency 240 python3 benchmark/offline/latency.py ;;
     latency-8b) step latency_8b 240 python3 benchmark/offline/latency.py \

@@ -59,6 +59,17 @@ def test_fused_router_chooses_the_experts_torch_chooses(
     torch.testing.assert_close(weights, want_weights, rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_router_takes_the_lower_id_among_equal_probabilities(dtype: torch.dtype) -> None:
+    """Row 0 all equal; row 1 ties at its top: experts 5 and 2 share the largest logit, and 7
+    and 1 the next."""
+    logits = torch.zeros(2, 8, device=DEVICE)
+    logits[1, [5, 2]], logits[1, [7, 1]] = 3.0, 1.0
+    weights, ids = moe_route(logits.to(dtype), 3, renormalize=False)
+    assert ids.tolist() == [[0, 1, 2], [2, 5, 1]]
+    assert torch.equal(weights[0], torch.full((3,), 1 / 8, device=DEVICE).to(dtype))
+
+
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "used", "block_m"),
     [(1, 4, 1, None, 16), (3, 8, 2, None, 16), (40, 8, 2, 3, 16), (33, 16, 8, None, 16),

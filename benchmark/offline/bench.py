@@ -170,11 +170,16 @@ def run_minisgl(
     return llm, median, prof
 
 
-def step_timeline(prof: profile) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def step_timeline(
+    prof: profile,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """GPU time per step, split into prefill steps (with an extend-attention launch) and decode
     steps: a step's kernels end with the sampling kernel. `gap` is the idle time before a step's
     first kernel, `span - busy` the idle time inside steps: both are time the GPU waited for the
-    host. Second result: the inside-step idle time summed by the kernel that ended it."""
+    host. Second result: the inside-step idle time summed by the kernel that ended it. Third: the
+    decode steps' span split among their kernels, each charged for how far it moved the step's
+    end (with PDL, kernels overlap and their durations overstate them), by the kernel and the one
+    before it (that tells apart one kernel's uses in a layer), in us a decode step."""
     kernels = sorted(
         (e.start_ns(), e.duration_ns(), e.name())
         for e in prof.profiler.kineto_results.events()
@@ -188,14 +193,19 @@ def step_timeline(prof: profile) -> tuple[list[dict[str, Any]], list[dict[str, A
     steps = [s for s in steps if s]
     totals: dict[str, dict[str, float]] = {}
     idle_before: Counter[tuple[str, str]] = Counter()
+    advance_ns: Counter[str] = Counter()
     previous_end = None
     for step in steps:
         kind = "prefill" if any(PREFILL_KERNEL in name for _, _, name in step) else "decode"
         t = totals.setdefault(kind, {"steps": 0, "busy_ms": 0.0, "span_ms": 0.0, "gap_ms": 0.0})
         end = step[0][0]
+        before = "the step's start"
         for start, duration, name in step:
             idle_before[kind, name] += max(0, start - end) / 1e6
+            if kind == "decode":
+                advance_ns[f"{name[:40]} after {before[:40]}"] += max(0, start + duration - end)
             end = max(end, start + duration)
+            before = name
         t["steps"] += 1
         t["busy_ms"] += sum(duration for _, duration, _ in step) / 1e6
         t["span_ms"] += (end - step[0][0]) / 1e6
@@ -210,7 +220,12 @@ def step_timeline(prof: profile) -> tuple[list[dict[str, Any]], list[dict[str, A
         {"kind": kind, "idle before kernel": name[:60], "idle_ms": ms}
         for (kind, name), ms in idle_before.most_common(TOP_KERNELS // 3)
     ]
-    return by_kind, idle
+    decode_steps = totals.get("decode", {}).get("steps", 0)
+    critical = [
+        {"kernel, after": key, "us_per_decode_step": ns / 1e3 / decode_steps}
+        for key, ns in advance_ns.most_common(TOP_KERNELS)
+    ]
+    return by_kind, idle, critical
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -309,10 +324,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if prof is not None:
         payload["profile"] = print_profile(prof, device, ours["seconds"], steps)
         if device.type == "cuda":
-            timeline = dict(zip(("steps_by_kind", "idle"), step_timeline(prof), strict=True))
+            parts = ("steps_by_kind", "idle", "decode_critical_path")
+            timeline = dict(zip(parts, step_timeline(prof), strict=True))
             payload["profile"] |= timeline
-            print_table(timeline["steps_by_kind"])
-            print_table(timeline["idle"])
+            for part in parts:
+                print_table(timeline[part])
         write_json(args.json, payload)
     return payload
 

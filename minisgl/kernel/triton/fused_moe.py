@@ -44,10 +44,10 @@ class MoETile(NamedTuple):
 
 # decode: a program per pair (gate/up) or token (down) and a few rows of W. `bench_moe.py
 # --sweep` on an H200, one token at Qwen3-30B-A3B's layer (each kernel's tile varied, the
-# other's fixed): gate/up 28.2-29.3 us the layer at the best tiles, gemv.py's gated (8, 512, 4)
-# among them; down 24.9 us at (4, 1024, 4), a whole expert row of 768 a step, against 29.3 at
-# (8, 512, 4) and 33-64 at smaller steps
-DEFAULT_GEMV_TILES = GemvConfig(8, 512, 4), GemvConfig(4, 1024, 4)  # gate/up, down
+# other's fixed; us for the layer's pair of kernels): gate/up 22.7 at (16, 256, 2) against 24.6
+# at gemv.py's gated (8, 512, 4); down 24.6 at (4, 1024, 4), a whole expert row of 768 a step,
+# against 29.4 at (8, 512, 4)
+DEFAULT_GEMV_TILES = GemvConfig(16, 256, 2), GemvConfig(4, 1024, 4)  # gate/up, down
 # grouped, by the mean pairs per expert: (up to this many, tile); after vLLM's tuned tiles for
 # 128 experts of 768 on an H200 (its token counts 128, 256, 512 and 1,024 at top-8); block_n
 # counts W rows, so the gate/up kernel's two accumulators take half each
@@ -104,20 +104,25 @@ def _moe_gemv_gate_up_kernel(
 
 
 @triton.jit
-def _down_tile(
-    h_ptr, w_ptr, ids_ptr, weights_ptr, first_pair, i, steps, n, n_mask, k, K, stride_h,
-    stride_we, stride_wn, BLOCK_K: tl.constexpr,
+def _down_weights(
+    w_ptr, ids_ptr, first_pair, i, steps, n, n_mask, k, K, stride_we, stride_wn,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Tile i of a token's down rows end to end: W's rows n of its pair's expert, and the h
-    they multiply, scaled by the pair's routing weight."""
+    """Tile i of a token's down rows end to end: W's rows n of its pair's expert."""
+    k0 = (i % steps) * BLOCK_K
+    expert = tl.load(ids_ptr + first_pair + i // steps).to(tl.int64)
+    w_rows = w_ptr + expert * stride_we + n[:, None] * stride_wn
+    mask = n_mask[:, None] & (k0 + k < K)[None, :]
+    return tl.load(w_rows + k0 + k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _down_input(h_ptr, weights_ptr, first_pair, i, steps, k, K, stride_h, BLOCK_K: tl.constexpr):
+    """The h that tile i multiplies, scaled by its pair's routing weight."""
     pair = first_pair + i // steps
     k0 = (i % steps) * BLOCK_K
-    k_mask = k0 + k < K
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    w_rows = w_ptr + expert * stride_we + n[:, None] * stride_wn
-    w = tl.load(w_rows + k0 + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    h = tl.load(h_ptr + pair * stride_h + k0 + k, mask=k_mask, other=0.0).to(tl.float32)
-    return w, h * tl.load(weights_ptr + pair).to(tl.float32)
+    h = tl.load(h_ptr + pair * stride_h + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+    return h * tl.load(weights_ptr + pair).to(tl.float32)
 
 
 @triton.jit
@@ -135,17 +140,19 @@ def _moe_gemv_down_kernel(
     k = tl.arange(0, BLOCK_K)
     steps = tl.cdiv(K, BLOCK_K)
     pairs = token * TOP_K
+    # the ids were written before the gate/up kernel began, and its programs have all passed
+    # their wait when this one launches: the first tile can load before the wait
+    w = _down_weights(
+        w_ptr, ids_ptr, pairs, 0, steps, n, n_mask, k, K, stride_we, stride_wn, BLOCK_K
+    )
     wait_for_previous(USE_PDL)
-    w, h = _down_tile(
-        h_ptr, w_ptr, ids_ptr, weights_ptr, pairs, 0, steps, n, n_mask, k, K, stride_h,
-        stride_we, stride_wn, BLOCK_K,
-    )  # fmt: skip
+    h = _down_input(h_ptr, weights_ptr, pairs, 0, steps, k, K, stride_h, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i in range(1, TOP_K * steps):
-        w_next, h_next = _down_tile(
-            h_ptr, w_ptr, ids_ptr, weights_ptr, pairs, i, steps, n, n_mask, k, K, stride_h,
-            stride_we, stride_wn, BLOCK_K,
-        )  # fmt: skip
+        w_next = _down_weights(
+            w_ptr, ids_ptr, pairs, i, steps, n, n_mask, k, K, stride_we, stride_wn, BLOCK_K
+        )
+        h_next = _down_input(h_ptr, weights_ptr, pairs, i, steps, k, K, stride_h, BLOCK_K)
         acc += w.to(tl.float32) * h[None, :]
         w, h = w_next, h_next
     acc += w.to(tl.float32) * h[None, :]

@@ -31,13 +31,17 @@ def _route_kernel(
     slots = tl.arange(0, BLOCK_K)
     weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([BLOCK_K], dtype=tl.int64)
-    left = tl.where(present, probs, -1.0)  # probabilities are >= 0: -1 is never chosen
-    for k in tl.static_range(TOP_K):  # the largest left, the lowest id among equals (as torch)
+    # a pick is one max over keys that order by probability, then by the lower id (as torch):
+    # the bits of a float >= 0 order as the float does. -1 is never chosen
+    bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+    left = tl.where(present, bits * BLOCK_E + (BLOCK_E - 1 - experts), -1)
+    for k in tl.static_range(TOP_K):
         best = tl.max(left, 0)
-        chosen = tl.min(tl.where(left == best, experts, BLOCK_E), 0)
-        weights = tl.where(slots == k, best, weights)
-        ids = tl.where(slots == k, chosen.to(tl.int64), ids)
-        left = tl.where(experts == chosen, -1.0, left)
+        chosen = BLOCK_E - 1 - best % BLOCK_E
+        weight = (best // BLOCK_E).to(tl.int32).to(tl.float32, bitcast=True)
+        weights = tl.where(slots == k, weight, weights)
+        ids = tl.where(slots == k, chosen, ids)
+        left = tl.where(experts == chosen, -1, left)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 0)  # unused slots hold 0
     out = token * TOP_K + slots
@@ -57,6 +61,8 @@ def moe_route(
     _route_kernel[(tokens,)](
         router_logits, weights, ids, router_logits.stride(0), num_experts,
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_K=triton.next_power_of_2(top_k), **pdl_args(router_logits.device),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=1,  # a few values a thread: its reductions need no shared memory or barrier
+        **pdl_args(router_logits.device),
     )  # fmt: skip
     return weights, ids

@@ -7,8 +7,9 @@ them are a large share of the step.
     kernel i+1:            [ weights | wait ....... | work ... ]
 
 The rule every kernel here keeps, which makes this safe: before `wait_for_previous` it reads
-nothing but weights and the step's inputs, and writes nothing; after it, it sees every write of the
-kernel before. The inputs (positions, seq_lens, the page table, the K/V of earlier steps) are
+nothing but weights, the step's inputs and what was written before the kernel before it began
+(that kernel's programs have all passed their own wait when this one launches), and writes
+nothing; after it, it sees every write of the kernel before. The inputs (positions, seq_lens, the page table, the K/V of earlier steps) are
 written by copies and by kernels not launched with PDL (torch's, and `read_tables`, which applies
 the step's table writes): the forward's first PDL kernel waits for them to finish, and every later
 one launches after it. Kernels not launched with PDL (torch's, cuBLAS's) wait for the whole
