@@ -26,6 +26,7 @@ class Lockstep:
     def __init__(self) -> None:
         self.rank = dist.get_rank()
         self._group = dist.new_group(backend="gloo", timeout=_WAIT_FOREVER)
+        self.leader_gone = False  # set by recv: rank 0 ended without a stop
 
     def send(self, messages: list[Message] | None) -> None:
         """Rank 0: this turn's messages, or None: the other ranks stop."""
@@ -42,5 +43,6 @@ class Lockstep:
             dist.broadcast(data, 0, group=self._group)
         except RuntimeError:  # gloo: the connection to rank 0 closed
             logger.warning("rank %d: rank 0 is gone", self.rank)
+            self.leader_gone = True
             return None
         return decode(data.numpy().tobytes())

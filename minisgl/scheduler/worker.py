@@ -155,7 +155,10 @@ def run_follower(engine_config: EngineConfig, scheduler_config: SchedulerConfig)
     assert worker.lockstep is not None
     while (messages := worker.lockstep.recv()) is not None:
         worker.step(messages)  # exactly the messages of rank 0's step
-    worker.scheduler.engine.close()
+    # leaving the group finalizes NCCL, which waits for every rank (pytorch#141510): with rank 0
+    # gone it would wait forever, so this rank exits without (the exit aborts the communicator)
+    if not worker.lockstep.leader_gone:
+        worker.scheduler.engine.close()
 
 
 def _serve_primary(worker: SchedulerWorker, addresses: Addresses) -> None:
