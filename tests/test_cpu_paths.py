@@ -150,6 +150,24 @@ def test_rope_of_q_and_k_in_one_view_has_the_bits_of_each_apart(rows) -> None:
     assert torch.equal(q, apart_q) and torch.equal(k, apart_k)
 
 
+def test_rope_of_q_and_k_that_only_lie_side_by_side_runs_them_apart() -> None:
+    """Two tensors adjacent in memory but not one storage (the allocator may place a copy of k
+    right after a copy of q) are no merged qkv: one view of both would run past q's storage."""
+    torch.manual_seed(0)
+    head, rows = 64, 1
+    memory = torch.randn(rows * 12 * head).numpy()
+    q = torch.from_numpy(memory[: rows * 8 * head]).view(rows, 8, head)
+    k = torch.from_numpy(memory[rows * 8 * head :]).view(rows, 4, head)
+    assert k.data_ptr() == q.data_ptr() + q.nbytes
+    assert torch_ops._heads_together(q, k) is None
+    want_q, want_k = q.clone(), k.clone()
+    positions, cos_sin = torch.tensor([3]), torch.randn(8, head)
+    norm = (torch.randn(head), torch.randn(head), 1e-6)
+    torch_ops.apply_rope_inplace(positions, q, k, head, cos_sin, norm)
+    torch_ops.apply_rope_inplace(positions, want_q, want_k, head, cos_sin, norm)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
 @pytest.mark.parametrize(
     ("files", "limit"),
     [

@@ -86,7 +86,7 @@ def apply_rope_inplace(
 
 def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """q's heads then k's as one [T, Hq + Hk, D] view, where each row of k directly follows q's
-    in memory (the merged qkv split); None elsewhere."""
+    in memory within one storage (the merged qkv split); None elsewhere."""
     rows, heads, head_size = q.shape
     size = q.element_size()
     if (
@@ -96,6 +96,8 @@ def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
         or k.stride()[1:] != (head_size, 1)
         or (rows > 1 and k.stride(0) != q.stride(0))
         or k.data_ptr() != q.data_ptr() + heads * head_size * size
+        # two tensors may also lie side by side: a view of both would run past q's storage
+        or k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
     ):
         return None
     return q.as_strided((rows, heads + k.shape[1], head_size), q.stride(), q.storage_offset())
