@@ -112,7 +112,7 @@ for part in "$@"; do
     latency) step latency 240 python3 benchmark/offline/latency.py ;;
     latency-8b) step latency_8b 240 python3 benchmark/offline/latency.py \
       --model benchmark/presets/llama-3.1-8b --json "$OUT/latency_8b.json" ;;
-    bench) step bench 300 python3 benchmark/offline/bench.py --skip-hf ;;
+    bench) step bench 300 python3 benchmark/offline/bench.py --skip-hf --repeats "${REPEATS:-1}" ;;
     bench-hf) step bench_hf 300 python3 benchmark/offline/bench.py --json "$OUT/bench_hf.json" ;;
     profile) step profile 300 python3 benchmark/offline/bench.py --skip-hf --profile ;;
     cprofile) step cprofile 300 python3 -m cProfile -o "$OUT/bench.prof" benchmark/offline/bench.py --skip-hf ;;
