@@ -1,5 +1,5 @@
-"""The CPU's fast paths give the reference's tokens in fp32: batched attention (the CPU default)
-against the torch backend, and oneDNN's packed matmuls against F.linear; freed host memory is
+"""The CPU's fast paths give the reference's tokens in fp32: batched attention and the C++ kernels'
+(the CPU default) against the torch backend, and oneDNN's packed matmuls against F.linear; freed host memory is
 reused."""
 
 import os
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from minisgl import LLM, SamplingParams
 from minisgl.attention.batched_backend import length_groups
-from minisgl.kernel import linear, onednn, torch_ops
+from minisgl.kernel import cpp, linear, onednn, torch_ops
 from minisgl.utils.cpus import cgroup_cpu_limit, usable_cpus
 from minisgl.utils.host_memory import keep_freed_memory
 
@@ -48,16 +48,19 @@ def generate(path, **settings) -> list[list[int]]:
     return [r["token_ids"] for r in first + again]
 
 
+@pytest.mark.parametrize("backend", ["batched", "cpp"])
 @pytest.mark.parametrize(
     "options",
     [{}, {"page_size": 16}, {"chunk_size": 48}, {"cuda_graph_max_bs": 8}, {"overlap": False}],
     ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default",
 )
-def test_batched_attention_gives_the_torch_backends_tokens(model_path, options) -> None:
+def test_fast_attention_gives_the_torch_backends_tokens(model_path, backend, options) -> None:
     """Decode rows attend in one call per layer, prompt chunks one request at a time; with
     cuda_graph_max_bs the graph runner's padded static batches run (uncaptured on the CPU)."""
+    if backend == "cpp" and not cpp.available():
+        pytest.skip("no C++ compiler built the kernels")
     want = generate(model_path, attention_backend="torch", **options)
-    assert generate(model_path, attention_backend="batched", **options) == want
+    assert generate(model_path, attention_backend=backend, **options) == want
 
 
 def test_one_token_rows_split_by_length_only_where_padding_outweighs_a_call() -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from minisgl.core import Batch
 from minisgl.utils.torch_utils import to_device
 
-from .torch_backend import Span, TorchBackend
+from .torch_backend import Span, TorchBackend, prompt_spans
 
 if TYPE_CHECKING:
     from minisgl.engine.context import ForwardBatch
@@ -70,12 +70,8 @@ class BatchedBackend(TorchBackend):
         return self._plan(inputs.cu_seqlens_q, inputs.slots, inputs.seq_lens)
 
     def _plan(self, cu: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray) -> BatchedMetadata:
-        extend_lens = np.diff(cu)
-        single = np.flatnonzero(extend_lens == 1)
-        spans = [
-            (int(cu[i]), int(cu[i + 1]), int(slots[i]), int(seq_lens[i]))
-            for i in np.flatnonzero(extend_lens > 1)
-        ]
+        single = np.flatnonzero(np.diff(cu) == 1)
+        spans = prompt_spans(cu, slots, seq_lens)
         if len(single) == 0:
             return BatchedMetadata([], spans)
         longest_first = single[np.argsort(-seq_lens[single], kind="stable")]

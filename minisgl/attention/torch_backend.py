@@ -3,6 +3,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +14,14 @@ if TYPE_CHECKING:
 
 # one request's rows of q and whose keys they attend: (start, end, slot, seq_len)
 Span = tuple[int, int, int, int]
+
+
+def prompt_spans(cu_seqlens_q: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray) -> list[Span]:
+    """The spans of the requests that compute more than one token (prompt chunks)."""
+    return [
+        (int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(slots[i]), int(seq_lens[i]))
+        for i in np.flatnonzero(np.diff(cu_seqlens_q) > 1)
+    ]
 
 
 class TorchBackend(AttentionBackend):

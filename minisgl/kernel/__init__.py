@@ -16,7 +16,7 @@ from types import ModuleType
 
 import torch
 
-from . import onednn, torch_ops
+from . import cpp, onednn, torch_ops
 from .torch_ops import DeviceWrites, KVStore, indexing
 
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
@@ -70,9 +70,8 @@ def apply_rope_inplace(
     """NeoX-style rotary embedding in place, after a per-head RMSNorm when qk_norm =
     (q_weight, k_weight, eps) is given, and then the K/V rows into the pool when kv_store is
     given (one kernel on a GPU); cos_sin_cache: [max_pos, D], cos then sin."""
-    _ops_for(query).apply_rope_inplace(
-        positions, query, key, head_size, cos_sin_cache, qk_norm, kv_store
-    )
+    ops = cpp if cpp.serves_rope(positions, query, key, kv_store) else _ops_for(query)
+    ops.apply_rope_inplace(positions, query, key, head_size, cos_sin_cache, qk_norm, kv_store)
 
 
 def _gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:

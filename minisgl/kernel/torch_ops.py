@@ -57,24 +57,13 @@ def apply_rope_inplace(
     query: [T, Hq * D] or [T, Hq, D], possibly strided views of the merged qkv; key likewise;
     cos_sin_cache: [max_pos, D], cos then sin.
     """
+    q, k = (t.view(t.shape[0], -1, head_size) for t in (query, key))
+    if qk_norm is not None:
+        qk_rmsnorm_inplace(q, k, qk_norm)
     cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, D/2]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    q, k = (t.view(t.shape[0], -1, head_size) for t in (query, key))
-    both = _heads_together(q, k)
-    if both is None:
-        weights = (None, None) if qk_norm is None else qk_norm[:2]
-        parts = list(zip((q, k), weights, strict=True))
-    else:
-        # one op for q's and k's heads at each stage, the same arithmetic on each element
-        weight = None
-        if qk_norm is not None:
-            weight = torch.cat(
-                [w.expand(t.shape[1], -1) for w, t in zip(qk_norm[:2], (q, k), strict=True)]
-            )
-        parts = [(both, weight)]
-    for x, weight in parts:
-        if weight is not None:
-            rmsnorm(x, weight, qk_norm[2], out=x)
+    both = _heads_together(q, k)  # one op for q's and k's heads, the same arithmetic on each
+    for x in (q, k) if both is None else (both,):
         x1, x2 = x[..., : head_size // 2], x[..., head_size // 2 :]
         c, s = cos.to(x.dtype), sin.to(x.dtype)
         o1 = x1 * c - x2 * s
@@ -82,6 +71,21 @@ def apply_rope_inplace(
         x.copy_(torch.cat([o1, o2], dim=-1))
     if kv_store is not None:
         store_kv(kv_store.k_cache, kv_store.v_cache, kv_store.out_loc, key, kv_store.value)
+
+
+def qk_rmsnorm_inplace(
+    q: torch.Tensor, k: torch.Tensor, qk_norm: tuple[torch.Tensor, torch.Tensor, float]
+) -> None:
+    """Each head of q and k [T, heads, D] RMS-normalised in place, by qk_norm = (q_weight,
+    k_weight, eps)."""
+    q_weight, k_weight, eps = qk_norm
+    both = _heads_together(q, k)
+    if both is None:
+        rmsnorm(q, q_weight, eps, out=q)
+        rmsnorm(k, k_weight, eps, out=k)
+    else:
+        weight = torch.cat([q_weight.expand(q.shape[1], -1), k_weight.expand(k.shape[1], -1)])
+        rmsnorm(both, weight, eps, out=both)
 
 
 def _heads_together(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

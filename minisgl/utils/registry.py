@@ -18,10 +18,11 @@ class Registry(Generic[T]):
     named by "module:attribute" and imported only when chosen: listing the names (the CLI's
     --help) imports no backend, and a backend that needs triton costs nothing until used.
 
-    "auto" stands for the registry's default on a device type, so each default has one home; an
-    entry may say which device types it runs on."""
+    "auto" stands for the registry's default on a device type, so each default has one home: a
+    name, or names in order of preference, the first that runs; an entry may say which device
+    types it runs on."""
 
-    def __init__(self, kind: str, auto: dict[str, str] | None = None) -> None:
+    def __init__(self, kind: str, auto: dict[str, str | tuple[str, ...]] | None = None) -> None:
         self.kind = kind
         self._auto = auto or {}
         # name -> (its factory's "module:attribute", the device types it runs on; None: all)
@@ -41,11 +42,16 @@ class Registry(Generic[T]):
     def resolve(self, name: str, device_type: str) -> str:
         """The entry `name` stands for on `device_type`; raises ConfigError if there is none."""
         if name == "auto" and device_type in self._auto:
-            name = self._auto[device_type]
-        _, runs_on = self._entry(name)
-        if runs_on is not None and not runs_on(device_type):
+            preferred = self._auto[device_type]
+            names = (preferred,) if isinstance(preferred, str) else preferred
+            name = next((n for n in names if self._runs(n, device_type)), names[-1])
+        if not self._runs(name, device_type):
             raise ConfigError(f"the {name} {self.kind} does not run on {device_type}")
         return name
+
+    def _runs(self, name: str, device_type: str) -> bool:
+        runs_on = self._entry(name)[1]
+        return runs_on is None or runs_on(device_type)
 
     def get(self, name: str) -> Callable[..., T]:
         """The factory registered as `name` (resolve "auto" and check the device first)."""
