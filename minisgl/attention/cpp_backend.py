@@ -5,7 +5,7 @@ reference, whose SDPA suits many query rows. Where no C++ compiler builds the ke
 the batched backend instead.
 
 32 decode rows of 100-380 keys (heads 8/4 of 64, fp32, 2 threads): the batched backend's gathers
-and SDPA 2.1-2.6 ms a layer, this kernel 0.3-0.5 ms with the keys in cache and 1.0-1.3 without;
+and SDPA 1.9-2.6 ms a layer, this kernel 0.3-0.5 ms with the keys in cache and 1.0-1.3 without;
 the CPU benchmark's run 2.71 -> 2.14 s with the RoPE kernel (benchmark/RESULTS.md)."""
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Op dispatch: a Triton kernel for CUDA fp16/bf16 tensors when triton is installed, else the
 PyTorch reference. fp32 takes the reference, which the tests compare with Hugging Face, except for
 two ops that run their kernel on any CUDA tensor: the table reads and writes (exact either way)
-and sampling (an exact argmax; only the kernel writes the host's token table inside a graph); and
-for matmuls on the CPU, which take oneDNN with the weight packed at load (`onednn.py`).
+and sampling (an exact argmax; only the kernel writes the host's token table inside a graph); for
+matmuls on the CPU, which take oneDNN with the weight packed at load (`onednn.py`); and for RoPE
+on the CPU in fp32, which takes the C++ kernel, bit-equal to the reference (`cpp/`).
 
 `minisgl.kernel.triton` holds the Triton twin of each op dispatched below (same name, same
 semantics as `torch_ops`'s), and the attention and MoE kernels their backends call; it is imported
@@ -69,7 +70,8 @@ def apply_rope_inplace(
 ) -> None:
     """NeoX-style rotary embedding in place, after a per-head RMSNorm when qk_norm =
     (q_weight, k_weight, eps) is given, and then the K/V rows into the pool when kv_store is
-    given (one kernel on a GPU); cos_sin_cache: [max_pos, D], cos then sin."""
+    given (one kernel on a GPU, and on the CPU in fp32); cos_sin_cache: [max_pos, D], cos then
+    sin."""
     ops = cpp if cpp.serves_rope(positions, query, key, kv_store) else _ops_for(query)
     ops.apply_rope_inplace(positions, query, key, head_size, cos_sin_cache, qk_norm, kv_store)
 

@@ -9,6 +9,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -208,6 +209,4 @@ def _cpu() -> bytes:
         with open("/proc/cpuinfo", "rb") as cpuinfo:
             return next((line for line in cpuinfo if line.startswith(b"flags")), b"")
     except OSError:
-        import platform
-
         return platform.processor().encode()
