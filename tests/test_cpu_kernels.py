@@ -1,6 +1,8 @@
 """The CPU's C++ kernels (`minisgl/kernel/cpp`) against the reference: decode attention over the
-paged pool within rounding of SDPA's, RoPE with the K/V store bit for bit; the C++ backend's greedy
-tokens equal to the torch backend's; and where no compiler builds the kernels, the PyTorch path."""
+paged pool within rounding of SDPA's, RoPE with the K/V store bit for bit (with QK-norm, and
+RMSNorm with the residual add, within a rounding of the mean; SiLU-and-mul within float
+rounding); the C++ backend's greedy tokens
+equal to the torch backend's; and where no compiler builds the kernels, the PyTorch path."""
 
 import os
 import subprocess
@@ -11,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minisgl import kernel
 from minisgl.kernel import cpp, torch_ops
 from minisgl.kernel.torch_ops import KVStore
 
@@ -70,7 +73,8 @@ def test_decode_attention_is_sdpas_over_each_requests_keys(
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("store", [False, True])
 def test_rope_and_store_have_the_references_bits(tokens, qk_norm, store) -> None:
-    """q, k and v split from the merged qkv, as the attention layer passes them."""
+    """q, k and v split from the merged qkv, as the attention layer passes them. QK-norm sums
+    its mean in another order: within two float roundings of the reference."""
     torch.manual_seed(0)
     head, kv_heads, locations = 64, 4, 1024
     positions = torch.randint(0, 512, (tokens,), dtype=torch.int32)
@@ -88,7 +92,52 @@ def test_rope_and_store_have_the_references_bits(tokens, qk_norm, store) -> None
         ops.apply_rope_inplace(positions, q, k, head, cos_sin, norm, kv_store)
         results.append([q, k, *caches])
     for got, want in zip(*results, strict=True):
-        assert torch.equal(got, want)
+        if qk_norm:
+            torch.testing.assert_close(got, want, rtol=2.5e-7, atol=1e-6)
+        else:
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 300])  # the kernel splits rows over threads past 64
+@pytest.mark.parametrize("add", [False, True])
+def test_rmsnorm_is_the_references_within_a_rounding_of_its_mean(rows, add) -> None:
+    """Rows strided as the attention layer's views are; the residual sum exact, the norm within
+    two float roundings."""
+    torch.manual_seed(0)
+    weight = torch.randn(512)
+    results = []
+    for ops in (kernel, torch_ops):
+        torch.manual_seed(1)
+        x, residual = torch.randn(rows, 1024)[:, :512], torch.randn(rows, 512)
+        assert cpp.serves_norm(x, residual if add else None)
+        if add:
+            out = ops.fused_add_rmsnorm(x, residual, weight, 1e-6)
+        else:
+            out = ops.rmsnorm(x, weight, 1e-6, out=x)
+        assert out.data_ptr() == x.data_ptr()
+        results.append((x, residual))
+    (x, residual), (want_x, want_residual) = results
+    assert torch.equal(residual, want_residual)
+    torch.testing.assert_close(x, want_x, rtol=2.5e-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 300])  # the kernel splits rows over threads past 16
+def test_silu_and_mul_is_the_references_within_float_rounding(rows) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(rows, 2 * 1536) * 8
+    x[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -1e-30])  # e^x clamped at both ends, and zero
+    assert cpp.serves_activation(x)
+    torch.testing.assert_close(
+        kernel.silu_and_mul(x), torch_ops.silu_and_mul(x), rtol=5e-7, atol=1e-30
+    )
+
+
+def test_rmsnorm_of_partial_sums_or_bf16_takes_the_reference() -> None:
+    x, residual = torch.randn(4, 8), torch.randn(4, 8)
+    assert cpp.serves_norm(x, residual)
+    assert not cpp.serves_norm(torch.randn(2, 4, 8), residual)  # linear_split_k's slices
+    assert not cpp.serves_norm(x.bfloat16(), residual.bfloat16())
+    assert not cpp.serves_activation(x.bfloat16())
 
 
 def test_rope_of_other_dtypes_or_positions_takes_the_reference() -> None:
@@ -110,7 +159,8 @@ def resolve_auto(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
 def test_kernels_are_built_once_into_the_cache_and_auto_takes_them(tmp_path) -> None:
     assert resolve_auto(tmp_path).stdout.split() == ["cpp"]
     built = sorted((tmp_path / "minisgl" / "kernels").iterdir())
-    assert [p.name.split("-")[0] for p in built] == ["decode_attention", "rope_store"]
+    kernels = ["decode_attention", "rmsnorm", "rope_store", "silu_and_mul"]
+    assert [p.name.split("-")[0] for p in built] == kernels
     assert all(p.suffix == ".so" for p in built)  # no half-written file left behind
     stamps = [p.stat().st_mtime_ns for p in built]
     assert resolve_auto(tmp_path).stdout.split() == ["cpp"]

@@ -3,7 +3,8 @@ PyTorch reference. fp32 takes the reference, which the tests compare with Huggin
 two ops that run their kernel on any CUDA tensor: the table reads and writes (exact either way)
 and sampling (an exact argmax; only the kernel writes the host's token table inside a graph); for
 matmuls on the CPU, which take oneDNN with the weight packed at load (`onednn.py`); and for RoPE
-on the CPU in fp32, which takes the C++ kernel, bit-equal to the reference (`cpp/`).
+(with QK-norm), RMSNorm and SiLU-and-mul on the CPU in fp32, which take the C++ kernels (`cpp/`):
+RoPE bit-equal to the reference, the others within float rounding.
 
 `minisgl.kernel.triton` holds the Triton twin of each op dispatched below (same name, same
 semantics as `torch_ops`'s), and the attention and MoE kernels their backends call; it is imported
@@ -47,7 +48,8 @@ def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """RMSNorm over the last dimension, into `out` when given (which may be x itself)."""
-    return _ops_for(x).rmsnorm(x, weight, eps, out)
+    ops = cpp if cpp.serves_norm(x, out) else _ops_for(x)
+    return ops.rmsnorm(x, weight, eps, out)
 
 
 def fused_add_rmsnorm(
@@ -56,7 +58,8 @@ def fused_add_rmsnorm(
     """In place: residual <- x + residual; x <- rmsnorm(residual), which is returned. x may be
     [splits, rows, N] partial sums of the addend (`linear_split_k`'s); the norm then goes into
     x[0]."""
-    return _ops_for(x).fused_add_rmsnorm(x, residual, weight, eps)
+    ops = cpp if cpp.serves_norm(x, residual) else _ops_for(x)
+    return ops.fused_add_rmsnorm(x, residual, weight, eps)
 
 
 def apply_rope_inplace(
@@ -187,7 +190,8 @@ def add_rmsnorm_linear(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dimension -> silu(gate) * up."""
-    return _ops_for(x).silu_and_mul(x)
+    ops = cpp if cpp.serves_activation(x) else _ops_for(x)
+    return ops.silu_and_mul(x)
 
 
 def moe_route(

@@ -1,5 +1,5 @@
-"""The CPU's own kernels, in C++: decode attention over the paged pool, and RoPE with the K/V
-store. Each source is compiled on first use by the machine's C++ compiler for its own CPU (-O3
+"""The CPU's own kernels, in C++: decode attention over the paged pool, RoPE with QK-norm and the
+K/V store, RMSNorm with the residual add, and SiLU-and-mul. Each source is compiled on first use by the machine's C++ compiler for its own CPU (-O3
 -march=native), kept in a cache under the hash of the source, the flags and the CPU, and called
 through ctypes on the tensors' memory. Their OpenMP is the runtime torch has already loaded, so
 they run on torch's threads. Where no compiler builds them, `available()` is False and callers
@@ -19,7 +19,6 @@ import torch
 
 from minisgl.utils import init_logger
 
-from .. import torch_ops
 from ..torch_ops import KVStore
 
 logger = init_logger(__name__)
@@ -59,6 +58,9 @@ _ROPE_STORE = _Kernel(
         _I64,
         _I64,
         _PTR,
+        _PTR,
+        ctypes.c_float,
+        _PTR,
         _I64,
         _PTR,
         _PTR,
@@ -66,7 +68,17 @@ _ROPE_STORE = _Kernel(
         _INT,
     ),
 )
-_KERNELS = (_DECODE_ATTENTION, _ROPE_STORE)
+_RMSNORM = _Kernel(
+    "rmsnorm.cpp",
+    ("-ffp-contract=off",),
+    (_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_float, _PTR, _I64, _INT),
+)
+_SILU_AND_MUL = _Kernel(
+    "silu_and_mul.cpp",
+    ("-fno-trapping-math",),  # lets gcc vectorise exp_float's floor: 4x faster at 32 rows
+    (_PTR, _I64, _I64, _I64, _PTR, _INT),
+)
+_KERNELS = (_DECODE_ATTENTION, _ROPE_STORE, _RMSNORM, _SILU_AND_MUL)
 
 
 def available() -> bool:
@@ -93,6 +105,72 @@ def serves_rope(
     )
 
 
+def serves_norm(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether `rmsnorm` and `fused_add_rmsnorm` take x and the others given with it (residual,
+    out): fp32 [rows, n] on the CPU, each row's elements contiguous, all of one shape (so not
+    linear_split_k's partial sums), where the kernels run."""
+    rows = [x, *(t for t in others if t is not None)]
+    return all(_fp32_rows(t) and t.shape == x.shape for t in rows) and available()
+
+
+def serves_activation(x: torch.Tensor) -> bool:
+    """Whether `silu_and_mul` takes x: fp32 [rows, 2n] on the CPU, each row contiguous."""
+    return _fp32_rows(x) and available()
+
+
+def _fp32_rows(t: torch.Tensor) -> bool:
+    return (
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() <= 2 and t.stride(-1) == 1
+    )
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """torch_ops.rmsnorm's result, its mean summed in another order (see rms.h)."""
+    out = torch.empty_like(x) if out is None else out
+    _norm(x, None, weight, eps, out)
+    return out
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """torch_ops.fused_add_rmsnorm's results (residual += x; x <- rmsnorm(residual)), the mean
+    summed in another order."""
+    _norm(x, residual, weight, eps, x)
+    return x
+
+
+def _norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+) -> None:
+    n = x.shape[-1]
+    x2, out2 = x.view(-1, n), out.view(-1, n)
+    assert weight.dtype == torch.float32 and weight.is_contiguous()
+    residual2 = x2 if residual is None else residual.view(-1, n)
+    _function(_RMSNORM)(
+        x2.data_ptr(), x2.stride(0), None if residual is None else residual2.data_ptr(),
+        residual2.stride(0), weight.data_ptr(), x2.shape[0], n, eps, out2.data_ptr(),
+        out2.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """torch_ops.silu_and_mul's result within float rounding (e^x by exp.h's series)."""
+    rows = x.view(-1, x.shape[-1])
+    n = rows.shape[1] // 2
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    _function(_SILU_AND_MUL)(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], n, out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
 def apply_rope_inplace(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -102,11 +180,15 @@ def apply_rope_inplace(
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     kv_store: KVStore | None = None,
 ) -> None:
-    """torch_ops.apply_rope_inplace's results, bit for bit (its QK-norm runs as it is), with the
-    rotation and the K/V store in one pass over the tokens."""
+    """torch_ops.apply_rope_inplace's results, with QK-norm, the rotation and the K/V store in
+    one pass over the tokens: bit for bit without QK-norm, whose mean is summed in another order
+    (see rms.h)."""
     q, k = (t.view(t.shape[0], -1, head_size) for t in (query, key))
+    norms: tuple[int | None, int | None, float] = (None, None, 0.0)
     if qk_norm is not None:
-        torch_ops.qk_rmsnorm_inplace(q, k, qk_norm)
+        q_weight, k_weight, eps = qk_norm
+        assert all(w.dtype == torch.float32 and w.is_contiguous() for w in (q_weight, k_weight))
+        norms = (q_weight.data_ptr(), k_weight.data_ptr(), eps)
     for t in (q, k):
         assert t.stride()[1:] == (head_size, 1), "each row's heads must lie contiguously"
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
@@ -121,7 +203,7 @@ def apply_rope_inplace(
     value_ptr, out_loc_ptr, k_cache_ptr, v_cache_ptr = pointers
     _function(_ROPE_STORE)(
         positions.data_ptr(), len(positions), cos_sin_cache.data_ptr(), head_size,
-        q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+        q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], *norms,
         value_ptr, value_stride, out_loc_ptr, k_cache_ptr, v_cache_ptr, torch.get_num_threads(),
     )  # fmt: skip
 
@@ -177,7 +259,10 @@ def _build(kernel: _Kernel) -> Path | None:
     compiler = os.environ.get("CXX", "c++")
     source = Path(__file__).with_name(kernel.source)
     command = [compiler, *_FLAGS, *kernel.flags, str(source)]
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(command).encode(), _cpu()]))
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256(
+        b"\0".join([source.read_bytes(), *headers, " ".join(command).encode(), _cpu()])
+    )
     path = _cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path

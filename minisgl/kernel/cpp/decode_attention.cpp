@@ -7,24 +7,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "exp.h"
+
 namespace {
 
 inline float to_float(float x) { return x; }
 
 inline float to_float(uint16_t bf16) { return std::bit_cast<float>(uint32_t(bf16) << 16); }
-
-// e^x for x <= 0 (softmax's shifted scores): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
-// Taylor series to r^7 (relative error below 1e-8), 2^n by building the float's exponent. A loop
-// of these vectorises, where std::exp stays a call per element.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;  // 2^n stays a normal float
-  const float n = std::floor(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  float p = 1.0f / 5040;
-  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 1.0f / 2, 1.0f, 1.0f})
-    p = p * r + c;
-  return p * std::bit_cast<float>((int32_t(n) + 127) << 23);
-}
 
 struct Batch {
   const float* q;  // [rows, qo_heads, head_dim]
@@ -75,7 +64,7 @@ void attend(const Batch& b) {
       float sum = 0;
 #pragma omp simd reduction(+ : sum)
       for (int64_t w = 0; w < len; ++w) {
-        p[w] = exp_nonpositive(p[w] - max_score);
+        p[w] = exp_float(p[w] - max_score);
         sum += p[w];
       }
       std::vector<float> acc(head_dim, 0.0f);
