@@ -3,7 +3,7 @@
 # Run from the repository root on the GPU machine; logs and JSON go to $OUT (default /tmp/minisgl-out).
 #
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
-#   PART: kernels decode-heads sweep-attention sweep-one-request gemv gemv-a3b host latency latency-8b bench bench-hf profile profile-shapes shapes
+#   PART: kernels extend-orders decode-heads sweep-attention sweep-one-request gemv gemv-a3b host latency latency-8b bench bench-hf profile profile-shapes shapes
 #         prefill prefill-0.6b prefill-profile latency-profile cprofile
 #         ablations pdl baseline tests tests-engine tests-tp tp2 serving serving-8b
 #         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all;
@@ -98,6 +98,8 @@ moe() {  # moe PART...: the MoE tests on CUDA, bench_moe.py, and latency.py and 
 for part in "$@"; do
   case $part in
     kernels) step kernels 240 python3 benchmark/kernel/bench_attention.py ;;
+    extend-orders)  # extend attention's q blocks most keys first against request order
+      step extend_orders 180 python3 benchmark/kernel/bench_attention.py --extend-orders ;;
     sweep-attention) step sweep_attention 300 python3 benchmark/kernel/sweep_decode_attention.py ;;
     sweep-one-request)  # one request's decode attention at 8:1 (Qwen3-30B-A3B) and 2:1 groups
       step sweep_one_request 300 python3 benchmark/kernel/sweep_decode_attention.py \

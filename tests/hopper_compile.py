@@ -79,7 +79,9 @@ def call_every_wrapper() -> None:
     ops.apply_rope_inplace(
         ints(3), x(3, q_heads * head_dim), x(3, kv_heads * head_dim), head_dim, cos_sin
     )
-    block_req, block_start = (torch.tensor(t, dtype=i32) for t in ops.extend_blocks([5, 70]))
+    block_req, block_start = (
+        torch.tensor(t, dtype=i32) for t in ops.extend_blocks([0, 0], [5, 70])
+    )
     cu_seqlens = torch.tensor([0, 5, 75], dtype=i32)
     ops.extend_attention(
         x(75, q_heads, head_dim), k_cache, v_cache, page_table, ints(2), ints(2), cu_seqlens,

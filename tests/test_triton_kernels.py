@@ -173,6 +173,13 @@ def test_extend_attention_matches_reference_over_prefix_and_new_tokens(qo_heads,
     assert_close(got, want, ATTENTION_TOL[dtype])
 
 
+def test_extend_blocks_come_most_keys_first():
+    """A 130-token prompt cuts into blocks reading 64, 128 and 130 keys; 10 new tokens after a
+    100-token prefix read 110."""
+    block_req, block_start = triton_ops.extend_blocks([0, 100], [130, 10])
+    assert list(zip(block_req, block_start, strict=True)) == [(0, 128), (0, 64), (1, 0), (0, 0)]
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads", [0, 1])

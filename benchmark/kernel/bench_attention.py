@@ -10,6 +10,7 @@ new, after a cached prefix) as TFLOP/s. The ragged rows use the offline benchmar
 
 import argparse
 import random
+from collections.abc import Callable
 
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
@@ -58,13 +59,13 @@ class Setup:
     def bs(self) -> int:
         return len(self.ctx_lens)
 
-    def batch(self, extend_len: int) -> tuple[Batch, BatchInputs]:
-        """Every request computes its last `extend_len` tokens: the plan and its device inputs."""
+    def batch(self, extend_lens: list[int]) -> tuple[Batch, BatchInputs]:
+        """Request i computes its last extend_lens[i] tokens: the plan and its device inputs."""
         reqs = [Req(i, [0], SamplingParams(), seed=0, slot=i) for i in range(self.bs)]
-        prefix_lens = [n - extend_len for n in self.ctx_lens]
+        prefix_lens = [n - e for n, e in zip(self.ctx_lens, extend_lens, strict=True)]
         width = self.page_table.shape[1]
         layout = EngineLayout(1, 1, self.bs, width, width, width, 1)  # the sink row: unused
-        plan = build_batch(reqs, prefix_lens, [extend_len] * self.bs, layout)
+        plan = build_batch(reqs, prefix_lens, extend_lens, layout)
         return plan, upload(plan.inputs, self.page_table.device)
 
     def kernel_args(self, inputs: BatchInputs) -> tuple[torch.Tensor, ...]:
@@ -104,7 +105,7 @@ def check_against_torch(setup: Setup, plan: Batch, inputs: BatchInputs, q: torch
 def bench_decode(
     setup: Setup, dtype: torch.dtype, copy_bw: float, splits: int | None = None
 ) -> list[str]:
-    plan, inputs = setup.batch(1)
+    plan, inputs = setup.batch([1] * setup.bs)
     q = torch.randn(setup.bs, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
     check_against_torch(setup, plan, inputs, q)
     splits = splits or decode_num_splits(setup.bs, KV_HEADS, num_sms(q.device))
@@ -121,27 +122,51 @@ def bench_decode(
     ]
 
 
-def bench_extend(setup: Setup, dtype: torch.dtype) -> list[str]:
-    """A quarter of each context is new, after a cached prefix."""
-    extend_len = min(setup.ctx_lens) // 4
-    plan, inputs = setup.batch(extend_len)
+def bench_extend(
+    setup: Setup, dtype: torch.dtype, whole: bool = False, request_order: bool = False
+) -> list[str]:
+    """A quarter of the shortest context is new in each, after a cached prefix (whole: every
+    token new). request_order: the q blocks in request order, not most keys first."""
+    extend_lens = list(setup.ctx_lens) if whole else [min(setup.ctx_lens) // 4] * setup.bs
+    plan, inputs = setup.batch(extend_lens)
     q = torch.randn(plan.num_tokens, QO_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
     check_against_torch(setup, plan, inputs, q)
     meta = setup.backend("triton").prepare(plan)
+    block_req, block_start = meta.block_req, meta.block_start
+    if request_order:
+        order = torch.argsort(block_req.long() * (1 << 32) + block_start.long())
+        block_req, block_start = block_req[order], block_start[order]
     args = setup.kernel_args(inputs)
-    blocks = (inputs.cu_seqlens_q, meta.block_req, meta.block_start)
+    blocks = (inputs.cu_seqlens_q, block_req, block_start)
     seconds = do_bench_cudagraph(lambda: extend_attention(q, *args, *blocks)) * 1e-3
     keys_seen = sum(
-        extend_len * (n - extend_len) + extend_len * (extend_len + 1) // 2 for n in setup.ctx_lens
+        e * (n - e) + e * (e + 1) // 2 for n, e in zip(setup.ctx_lens, extend_lens, strict=True)
     )
     flops = 4 * QO_HEADS * HEAD_DIM * keys_seen  # QK^T and PV: 2 flops per multiply-add each
     return ["-", f"{seconds * 1e6:.1f}", f"{flops / seconds / 1e12:.1f} TFLOP/s", "-"]
+
+
+def compare_extend_orders(dtype: torch.dtype, page_size: int, row: Callable) -> None:
+    """Whole prompts new, each launch in both block orders: one 8k prompt (the prefill row of
+    issue 27) and 16 ragged ones."""
+    rng = random.Random(0)
+    for name, ctx_lens in (
+        ("8192", [8192]),
+        ("256-2048", [rng.randint(256, 2048) for _ in range(16)]),
+    ):
+        setup = Setup(ctx_lens, page_size, dtype)
+        for request_order, kernel in ((False, "extend"), (True, "ext-req")):
+            cells = bench_extend(setup, dtype, whole=True, request_order=request_order)
+            row([kernel, str(setup.bs), name, *cells])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument(
+        "--extend-orders", action="store_true", help="only extend attention's two block orders"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention: no CUDA device, nothing to measure (the kernels need a GPU)")
@@ -152,6 +177,9 @@ def main() -> None:
     widths = [7, 5, 10, 7, 10, 16, 8]
     row = lambda cells: print("".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     row(["kernel", "bs", "ctx", "splits", "us", "achieved", "of copy"])
+    compare_extend_orders(dtype, args.page_size, row)
+    if args.extend_orders:
+        return
     for bs in BATCH_SIZES:
         for ctx in CONTEXTS:
             setup = Setup([ctx] * bs, args.page_size, dtype)

@@ -45,7 +45,7 @@ class TritonBackend(AttentionBackend):
     def prepare(self, batch: Batch) -> ExtendMetadata | None:
         if batch.is_decode:
             return None
-        block_req, block_start = extend_blocks(batch.extend_lens)
+        block_req, block_start = extend_blocks(batch.prefix_lens, batch.extend_lens)
         device = self.page_table.device
         t = pack_to_device(device, torch.int32, block_req=block_req, block_start=block_start)
         return ExtendMetadata(**t)

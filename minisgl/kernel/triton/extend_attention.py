@@ -3,6 +3,9 @@ and to themselves, every K/V read through the page table (the backend stored the
 
 Ragged batches run in one launch: the host cuts each request's new tokens into blocks of
 EXTEND_BLOCK_M rows and lists (request, first row) per block, so no program idles on padding.
+Blocks that read the most keys come first, each block's head programs side by side: the SMs take
+the longest programs first and finish together, where one long causal prompt's last blocks would
+otherwise start in the last wave.
 """
 
 import math
@@ -41,6 +44,7 @@ def _extend_kernel(
     stride_pt_row,
     GROUP: tl.constexpr,
     HEADS: tl.constexpr,  # query heads of one KV head per program (a power of two)
+    HEAD_PROGRAMS: tl.constexpr,  # programs per block of new tokens: KV heads x cdiv(GROUP, HEADS)
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -48,7 +52,7 @@ def _extend_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
-    block, head_block = tl.program_id(0), tl.program_id(1)
+    block, head_block = tl.program_id(0) // HEAD_PROGRAMS, tl.program_id(0) % HEAD_PROGRAMS
     programs_per_kv_head = tl.cdiv(GROUP, HEADS)
     kv_head = head_block // programs_per_kv_head
     req = tl.load(block_req_ptr + block)
@@ -101,11 +105,13 @@ def _extend_kernel(
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-def extend_blocks(extend_lens: list[int]) -> tuple[list[int], list[int]]:
-    """(request, first new-token index) of each q block, as two lists."""
+def extend_blocks(prefix_lens: list[int], extend_lens: list[int]) -> tuple[list[int], list[int]]:
+    """(request, first new-token index) of each q block, as two lists, the blocks that read the
+    most keys first (ties in request order)."""
     blocks = [(i, s) for i, n in enumerate(extend_lens) for s in range(0, n, EXTEND_BLOCK_M)]
-    block_req, block_start = zip(*blocks, strict=True) if blocks else ((), ())
-    return list(block_req), list(block_start)
+    keys_read = [prefix_lens[i] + min(s + EXTEND_BLOCK_M, extend_lens[i]) for i, s in blocks]
+    order = sorted(range(len(blocks)), key=keys_read.__getitem__, reverse=True)
+    return [blocks[b][0] for b in order], [blocks[b][1] for b in order]
 
 
 def extend_attention(
@@ -129,15 +135,16 @@ def extend_attention(
     # two query heads per program where a KV head serves two or more (tiles of 128 rows): 216 us
     # against 227 with one (H200, bf16, a 16,384-token chunk, 16 / 8 heads; best of 14 launches)
     heads = min(triton.next_power_of_2(group), 2)
+    head_programs = kv_heads * triton.cdiv(group, heads)
     out = torch.empty_like(q)
     two_bytes = q.element_size() == 2  # fp32 tiles take twice the shared memory
-    _extend_kernel[(block_req.shape[0], kv_heads * triton.cdiv(group, heads))](
+    _extend_kernel[(block_req.shape[0] * head_programs,)](
         q, k_cache, v_cache, out, page_table, slots, seq_lens, cu_seqlens_q, block_req,
         block_start, head_dim**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
-        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BLOCK_M=EXTEND_BLOCK_M,
-        BLOCK_D=dot_block(head_dim), BLOCK_N=64 if two_bytes else 32,
+        GROUP=group, HEADS=heads, HEAD_PROGRAMS=head_programs, HEAD_DIM=head_dim,
+        BLOCK_M=EXTEND_BLOCK_M, BLOCK_D=dot_block(head_dim), BLOCK_N=64 if two_bytes else 32,
         num_warps=4, num_stages=3 if two_bytes else 2, **pdl_args(q.device),
     )  # fmt: skip
     return out
