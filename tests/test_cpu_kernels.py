@@ -1,8 +1,8 @@
 """The CPU's C++ kernels (`minisgl/kernel/cpp`) against the reference: decode attention over the
 paged pool within rounding of SDPA's, RoPE with the K/V store bit for bit (with QK-norm, and
 RMSNorm with the residual add, within a rounding of the mean; SiLU-and-mul within float
-rounding); the C++ backend's greedy tokens
-equal to the torch backend's; and where no compiler builds the kernels, the PyTorch path."""
+rounding); the C++ backend's greedy tokens equal to the torch backend's; what the kernels cannot
+take goes to the reference; and where no compiler builds the kernels, the PyTorch path."""
 
 import os
 import subprocess
@@ -72,9 +72,9 @@ def test_decode_attention_is_sdpas_over_each_requests_keys(
 @pytest.mark.parametrize("tokens", [1, 9, 300])  # the kernel splits tokens over threads past 16
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("store", [False, True])
-def test_rope_and_store_have_the_references_bits(tokens, qk_norm, store) -> None:
-    """q, k and v split from the merged qkv, as the attention layer passes them. QK-norm sums
-    its mean in another order: within two float roundings of the reference."""
+def test_rope_and_store_are_the_references(tokens, qk_norm, store) -> None:
+    """q, k and v split from the merged qkv, as the attention layer passes them: bit for bit
+    without QK-norm, which sums its mean in another order (within two float roundings)."""
     torch.manual_seed(0)
     head, kv_heads, locations = 64, 4, 1024
     positions = torch.randint(0, 512, (tokens,), dtype=torch.int32)
@@ -88,7 +88,7 @@ def test_rope_and_store_have_the_references_bits(tokens, qk_norm, store) -> None
         caches = [torch.zeros(locations, kv_heads, head) for _ in range(2)]
         out_loc = torch.randperm(locations)[:tokens].int()
         kv_store = KVStore(*caches, out_loc, v) if store else None
-        assert cpp.serves_rope(positions, q, k, kv_store)
+        assert cpp.serves_rope(positions, q, k, head, norm, kv_store)
         ops.apply_rope_inplace(positions, q, k, head, cos_sin, norm, kv_store)
         results.append([q, k, *caches])
     for got, want in zip(*results, strict=True):
@@ -99,26 +99,26 @@ def test_rope_and_store_have_the_references_bits(tokens, qk_norm, store) -> None
 
 
 @pytest.mark.parametrize("rows", [1, 32, 300])  # the kernel splits rows over threads past 64
-@pytest.mark.parametrize("add", [False, True])
-def test_rmsnorm_is_the_references_within_a_rounding_of_its_mean(rows, add) -> None:
+@pytest.mark.parametrize("mode", ["add", "in place", "new"])
+def test_rmsnorm_is_the_references_within_a_rounding_of_its_mean(rows, mode) -> None:
     """Rows strided as the attention layer's views are; the residual sum exact, the norm within
-    two float roundings."""
+    two float roundings; in place, into a new tensor, or with the residual add."""
     torch.manual_seed(0)
     weight = torch.randn(512)
     results = []
     for ops in (kernel, torch_ops):
         torch.manual_seed(1)
         x, residual = torch.randn(rows, 1024)[:, :512], torch.randn(rows, 512)
-        assert cpp.serves_norm(x, residual if add else None)
-        if add:
+        assert cpp.serves_norm(x, weight, residual)
+        if mode == "add":
             out = ops.fused_add_rmsnorm(x, residual, weight, 1e-6)
         else:
-            out = ops.rmsnorm(x, weight, 1e-6, out=x)
-        assert out.data_ptr() == x.data_ptr()
-        results.append((x, residual))
-    (x, residual), (want_x, want_residual) = results
+            out = ops.rmsnorm(x, weight, 1e-6, out=x if mode == "in place" else None)
+        assert (out.data_ptr() == x.data_ptr()) == (mode != "new")
+        results.append((out, residual))
+    (out, residual), (want_out, want_residual) = results
     assert torch.equal(residual, want_residual)
-    torch.testing.assert_close(x, want_x, rtol=2.5e-7, atol=1e-6)
+    torch.testing.assert_close(out, want_out, rtol=2.5e-7, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 32, 300])  # the kernel splits rows over threads past 16
@@ -132,19 +132,26 @@ def test_silu_and_mul_is_the_references_within_float_rounding(rows) -> None:
     )
 
 
-def test_rmsnorm_of_partial_sums_or_bf16_takes_the_reference() -> None:
-    x, residual = torch.randn(4, 8), torch.randn(4, 8)
-    assert cpp.serves_norm(x, residual)
-    assert not cpp.serves_norm(torch.randn(2, 4, 8), residual)  # linear_split_k's slices
-    assert not cpp.serves_norm(x.bfloat16(), residual.bfloat16())
+def test_what_the_kernels_cannot_take_goes_to_the_reference() -> None:
+    """bf16, linear_split_k's partial sums, rows that overlap, a weight of another length or
+    dtype, an odd SiLU width, int64 positions."""
+    x, residual, weight = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
+    assert cpp.serves_norm(x, weight, residual)
+    assert not cpp.serves_norm(torch.randn(2, 4, 8), weight, residual)
+    assert not cpp.serves_norm(x.bfloat16(), weight, residual.bfloat16())
+    assert not cpp.serves_norm(torch.randn(1, 8).expand(4, 8), weight)
+    assert not cpp.serves_norm(x, torch.randn(4), residual)
+    assert not cpp.serves_norm(x, weight.bfloat16(), residual)
+    assert cpp.serves_activation(x)
     assert not cpp.serves_activation(x.bfloat16())
-
-
-def test_rope_of_other_dtypes_or_positions_takes_the_reference() -> None:
-    q, k = torch.randn(3, 128), torch.randn(3, 64)
-    assert cpp.serves_rope(torch.zeros(3, dtype=torch.int32), q, k, None)
-    assert not cpp.serves_rope(torch.zeros(3, dtype=torch.int64), q, k, None)
-    assert not cpp.serves_rope(torch.zeros(3, dtype=torch.int32), q.bfloat16(), k.bfloat16(), None)
+    assert not cpp.serves_activation(torch.randn(4, 7))
+    q, k, positions = torch.randn(3, 128), torch.randn(3, 64), torch.zeros(3, dtype=torch.int32)
+    norm = (torch.randn(64), torch.randn(64), 1e-6)
+    assert cpp.serves_rope(positions, q, k, 64, norm, None)
+    assert not cpp.serves_rope(positions.long(), q, k, 64, None, None)
+    assert not cpp.serves_rope(positions, q.bfloat16(), k.bfloat16(), 64, None, None)
+    assert not cpp.serves_rope(positions, q, k, 64, (torch.randn(32), norm[1], 1e-6), None)
+    assert not cpp.serves_rope(positions, q, k, 64, (norm[0].double(), norm[1], 1e-6), None)
 
 
 def resolve_auto(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:

@@ -3,9 +3,12 @@ timed inside a CUDA graph (so launch gaps stay out). Decode is bound by reading 
 reported as GB/s of K+V read next to the device's copy bandwidth; extend (a quarter of each context
 new, after a cached prefix) as TFLOP/s. The ragged rows use the offline benchmark's mix of contexts
 (100-2048 tokens) and sweep the split count, since uneven requests leave SMs idle at the tail.
+First, whole prompts (one of 8k tokens, 16 of 256-2048) in extend's two block orders: most keys
+first (the engine's) and request order ("ext-req"); `--extend-orders` stops there.
 
     python benchmark/kernel/bench_attention.py                    # bf16, page size 1 (H200)
     python benchmark/kernel/bench_attention.py --dtype float16 --page-size 16
+    python benchmark/kernel/bench_attention.py --extend-orders
 """
 
 import argparse
@@ -146,7 +149,9 @@ def bench_extend(
     return ["-", f"{seconds * 1e6:.1f}", f"{flops / seconds / 1e12:.1f} TFLOP/s", "-"]
 
 
-def compare_extend_orders(dtype: torch.dtype, page_size: int, row: Callable) -> None:
+def compare_extend_orders(
+    dtype: torch.dtype, page_size: int, row: Callable[[list[str]], None]
+) -> None:
     """Whole prompts new, each launch in both block orders: one 8k prompt (the prefill row of
     issue 27) and 16 ragged ones."""
     rng = random.Random(0)
@@ -172,14 +177,15 @@ def main() -> None:
         print("bench_attention: no CUDA device, nothing to measure (the kernels need a GPU)")
         return
     dtype = getattr(torch, args.dtype)
-    copy_bw = copy_bandwidth()
-    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; {args.dtype}, page size {args.page_size}")
     widths = [7, 5, 10, 7, 10, 16, 8]
     row = lambda cells: print("".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    print(f"{args.dtype}, page size {args.page_size}")
     row(["kernel", "bs", "ctx", "splits", "us", "achieved", "of copy"])
     compare_extend_orders(dtype, args.page_size, row)
     if args.extend_orders:
         return
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     for bs in BATCH_SIZES:
         for ctx in CONTEXTS:
             setup = Setup([ctx] * bs, args.page_size, dtype)

@@ -4,7 +4,7 @@ two ops that run their kernel on any CUDA tensor: the table reads and writes (ex
 and sampling (an exact argmax; only the kernel writes the host's token table inside a graph); for
 matmuls on the CPU, which take oneDNN with the weight packed at load (`onednn.py`); and for RoPE
 (with QK-norm), RMSNorm and SiLU-and-mul on the CPU in fp32, which take the C++ kernels (`cpp/`):
-RoPE bit-equal to the reference, the others within float rounding.
+RoPE alone bit-equal to the reference, QK-norm, RMSNorm and SiLU-and-mul within float rounding.
 
 `minisgl.kernel.triton` holds the Triton twin of each op dispatched below (same name, same
 semantics as `torch_ops`'s), and the attention and MoE kernels their backends call; it is imported
@@ -48,7 +48,7 @@ def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """RMSNorm over the last dimension, into `out` when given (which may be x itself)."""
-    ops = cpp if cpp.serves_norm(x, out) else _ops_for(x)
+    ops = cpp if cpp.serves_norm(x, weight, out) else _ops_for(x)
     return ops.rmsnorm(x, weight, eps, out)
 
 
@@ -58,7 +58,7 @@ def fused_add_rmsnorm(
     """In place: residual <- x + residual; x <- rmsnorm(residual), which is returned. x may be
     [splits, rows, N] partial sums of the addend (`linear_split_k`'s); the norm then goes into
     x[0]."""
-    ops = cpp if cpp.serves_norm(x, residual) else _ops_for(x)
+    ops = cpp if cpp.serves_norm(x, weight, residual) else _ops_for(x)
     return ops.fused_add_rmsnorm(x, residual, weight, eps)
 
 
@@ -75,7 +75,8 @@ def apply_rope_inplace(
     (q_weight, k_weight, eps) is given, and then the K/V rows into the pool when kv_store is
     given (one kernel on a GPU, and on the CPU in fp32); cos_sin_cache: [max_pos, D], cos then
     sin."""
-    ops = cpp if cpp.serves_rope(positions, query, key, kv_store) else _ops_for(query)
+    serves = cpp.serves_rope(positions, query, key, head_size, qk_norm, kv_store)
+    ops = cpp if serves else _ops_for(query)
     ops.apply_rope_inplace(positions, query, key, head_size, cos_sin_cache, qk_norm, kv_store)
 
 

@@ -1,7 +1,8 @@
 """The CPU's own kernels, in C++: decode attention over the paged pool, RoPE with QK-norm and the
-K/V store, RMSNorm with the residual add, and SiLU-and-mul. Each source is compiled on first use by the machine's C++ compiler for its own CPU (-O3
--march=native), kept in a cache under the hash of the source, the flags and the CPU, and called
-through ctypes on the tensors' memory. Their OpenMP is the runtime torch has already loaded, so
+K/V store, RMSNorm with the residual add, and SiLU-and-mul. Each source is compiled on first use
+by the machine's C++ compiler for its own CPU (-O3 -march=native), kept in a cache under the hash
+of the source, its headers, the flags and the CPU, and called through ctypes on the tensors'
+memory. Their OpenMP is the runtime torch has already loaded, so
 they run on torch's threads. Where no compiler builds them, `available()` is False and callers
 take the PyTorch path."""
 
@@ -90,37 +91,63 @@ def available() -> bool:
 
 
 def serves_rope(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, kv_store: KVStore | None
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    kv_store: KVStore | None,
 ) -> bool:
-    """Whether `apply_rope_inplace` takes these: fp32 on the CPU, with the engine's int32
-    positions and locations, where the kernels run."""
+    """Whether `apply_rope_inplace` takes these: fp32 on the CPU (QK-norm's weights one head
+    long), with the engine's int32 positions and locations, where the kernels run."""
     floats, ints = [query, key], [positions]
     if kv_store is not None:
         floats += [kv_store.value, kv_store.k_cache, kv_store.v_cache]
         ints.append(kv_store.out_loc)
+    weights = qk_norm[:2] if qk_norm is not None else ()
     return (
         all(t.device.type == "cpu" and t.dtype == torch.float32 for t in floats)
         and all(t.dtype == torch.int32 for t in ints)
+        and all(_fp32_vector(w, head_size) for w in weights)
         and available()
     )
 
 
-def serves_norm(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether `rmsnorm` and `fused_add_rmsnorm` take x and the others given with it (residual,
-    out): fp32 [rows, n] on the CPU, each row's elements contiguous, all of one shape (so not
-    linear_split_k's partial sums), where the kernels run."""
+def serves_norm(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether `rmsnorm` and `fused_add_rmsnorm` take x, its weight and the others given with it
+    (residual, out): fp32 [rows, n] on the CPU, each row's elements contiguous and apart from the
+    next row's, all of one shape (so not linear_split_k's partial sums), where the kernels run."""
     rows = [x, *(t for t in others if t is not None)]
-    return all(_fp32_rows(t) and t.shape == x.shape for t in rows) and available()
+    return (
+        all(_fp32_rows(t) and t.shape == x.shape for t in rows)
+        and _fp32_vector(weight, x.shape[-1])
+        and available()
+    )
 
 
 def serves_activation(x: torch.Tensor) -> bool:
     """Whether `silu_and_mul` takes x: fp32 [rows, 2n] on the CPU, each row contiguous."""
-    return _fp32_rows(x) and available()
+    return _fp32_rows(x) and x.shape[-1] % 2 == 0 and available()
 
 
 def _fp32_rows(t: torch.Tensor) -> bool:
+    """fp32 rows on the CPU, each contiguous; rows that overlap (stride 0, say) would race where
+    the kernels write in place."""
     return (
-        t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() <= 2 and t.stride(-1) == 1
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and t.dim() <= 2
+        and t.stride(-1) == 1
+        and (t.dim() == 1 or t.shape[0] <= 1 or t.stride(0) >= t.shape[1])
+    )
+
+
+def _fp32_vector(t: torch.Tensor, n: int) -> bool:
+    return (
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and t.shape == (n,)
+        and t.is_contiguous()
     )
 
 
@@ -151,7 +178,6 @@ def _norm(
 ) -> None:
     n = x.shape[-1]
     x2, out2 = x.view(-1, n), out.view(-1, n)
-    assert weight.dtype == torch.float32 and weight.is_contiguous()
     residual2 = x2 if residual is None else residual.view(-1, n)
     _function(_RMSNORM)(
         x2.data_ptr(), x2.stride(0), None if residual is None else residual2.data_ptr(),
@@ -164,7 +190,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """torch_ops.silu_and_mul's result within float rounding (e^x by exp.h's series)."""
     rows = x.view(-1, x.shape[-1])
     n = rows.shape[1] // 2
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    out = x.new_empty(*x.shape[:-1], n)
     _function(_SILU_AND_MUL)(
         rows.data_ptr(), rows.stride(0), rows.shape[0], n, out.data_ptr(), torch.get_num_threads()
     )
@@ -187,7 +213,6 @@ def apply_rope_inplace(
     norms: tuple[int | None, int | None, float] = (None, None, 0.0)
     if qk_norm is not None:
         q_weight, k_weight, eps = qk_norm
-        assert all(w.dtype == torch.float32 and w.is_contiguous() for w in (q_weight, k_weight))
         norms = (q_weight.data_ptr(), k_weight.data_ptr(), eps)
     for t in (q, k):
         assert t.stride()[1:] == (head_size, 1), "each row's heads must lie contiguously"

@@ -1,6 +1,6 @@
 // RMSNorm's scale for one vector: 1 / sqrt(mean(x^2) + eps), in the reference's steps (the mean
-// rounded to float before eps is added); the squares summed in double, so the order of the sum
-// (vectorised here, another in torch) moves the result by at most a rounding of the float mean.
+// rounded to float before eps is added); the squares summed in double, so the result differs
+// from torch's by its float sum's own rounding error (which grows with n) and the mean's rounding.
 #pragma once
 #include <cmath>
 #include <cstdint>
