@@ -38,7 +38,9 @@ from .scheduler import Scheduler
 
 logger = init_logger(__name__)
 
-LOAD_INTERVAL_S = 0.5  # how often a busy scheduler reports its load (and always when it idles)
+# how often a busy scheduler reports its load (and always when it idles): how stale the load
+# gauges of /metrics may be
+LOAD_INTERVAL_S = 0.1
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_TURN_MS = 500  # an idle loop still turns this often, so its heartbeat proves it is not stuck
 

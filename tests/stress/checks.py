@@ -14,6 +14,7 @@ QUEUED = "minisgl_queued_requests"
 REQUEST_PAGES = 'minisgl_kv_pages{state="request"}'
 GENERATED = "minisgl_generation_tokens_total"
 PROMPT_TOKENS = "minisgl_prompt_tokens_total"
+FIRST_TOKENS = "minisgl_time_to_first_token_seconds_count"  # requests that got a first token
 PREEMPTIONS = "minisgl_preemptions"
 CHECKS = "minisgl_kv_integrity_checks"
 FAILURES = "minisgl_kv_integrity_failures"
