@@ -149,7 +149,7 @@ def test_client_leaving_while_queued_is_aborted_before_it_runs(one_at_a_time) ->
 def test_client_leaving_while_its_prompt_is_prefilled_is_aborted(one_at_a_time) -> None:
     server = one_at_a_time.get()
     before = server.metrics()
-    prompt = _random_ids(random.Random(time.time_ns()), 1500)  # 1500 steps of one token
+    prompt = _random_ids(random.Random(time.time_ns()), 1900)  # 1900 steps of one token
     victim = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, prompt, 100))
     wait_for_metrics(server, lambda m: m[RUNNING] == 1)
     assert not victim.answered()  # no token yet: the prompt is being prefilled
