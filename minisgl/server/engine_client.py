@@ -184,6 +184,9 @@ class EngineClient:
             else:
                 assert isinstance(msg, TextOutputs)
                 self._on_outputs(msg)
+            # a queued message's recv returns without suspending: without this turn, a backlog
+            # holds the loop, and every request handler with it, until it drains
+            await asyncio.sleep(0)
 
     def _on_outputs(self, msg: TextOutputs) -> None:
         now = time.monotonic()
