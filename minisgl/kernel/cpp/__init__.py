@@ -2,9 +2,8 @@
 K/V store, RMSNorm with the residual add, and SiLU-and-mul. Each source is compiled on first use
 by the machine's C++ compiler for its own CPU (-O3 -march=native), kept in a cache under the hash
 of the source, its headers, the flags and the CPU, and called through ctypes on the tensors'
-memory. Their OpenMP is the runtime torch has already loaded, so
-they run on torch's threads. Where no compiler builds them, `available()` is False and callers
-take the PyTorch path."""
+memory. Their OpenMP is the runtime torch has already loaded, so they run on torch's threads.
+Where no compiler builds them, `available()` is False and callers take the PyTorch path."""
 
 import ctypes
 import functools
@@ -143,12 +142,7 @@ def _fp32_rows(t: torch.Tensor) -> bool:
 
 
 def _fp32_vector(t: torch.Tensor, n: int) -> bool:
-    return (
-        t.device.type == "cpu"
-        and t.dtype == torch.float32
-        and t.shape == (n,)
-        and t.is_contiguous()
-    )
+    return t.shape == (n,) and _fp32_rows(t)
 
 
 def rmsnorm(
