@@ -4,7 +4,7 @@
 #
 #   benchmark/gpu_suite.sh PART...      (benchmark/gpu_suite.sh hash: the `code` line it logs)
 #   PART: kernels extend-orders decode-heads sweep-attention sweep-one-request gemv gemv-a3b host latency latency-8b bench bench-hf profile profile-shapes shapes
-#         prefill prefill-0.6b prefill-profile latency-profile cprofile
+#         prefill prefill-0.6b prefill-8b prefill-profile latency-profile cprofile
 #         ablations pdl baseline tests tests-engine tests-tp tp2 serving serving-8b
 #         moe (= moe-tests moe-kernel moe-latency moe-bench: more than one 600 s call in all;
 #         also moe-kernel-few (the GEMV path's token counts), moe-sweep (its tiles at one token),
@@ -66,6 +66,11 @@ serving() {  # serving NAME MODEL [SERVER ARGS...]: bench_serving.py at each of 
 
 prefill_small() {  # MFU at 8k tokens in one request, Qwen3-0.6B shape (prefill's first row)
   step prefill_qwen3-0.6b 180 python3 benchmark/offline/prefill.py --json "$OUT/prefill_qwen3-0.6b.json"
+}
+
+prefill_8b() {  # the same on the Llama-3.1-8B shape (prefill's second row)
+  step prefill_llama-3.1-8b 180 python3 benchmark/offline/prefill.py \
+    --model benchmark/presets/llama-3.1-8b --json "$OUT/prefill_llama-3.1-8b.json"
 }
 
 moe() {  # moe PART...: the MoE tests on CUDA, bench_moe.py, and latency.py and bench.py in
@@ -130,12 +135,13 @@ for part in "$@"; do
       done ;;
     prefill)  # MFU at 8k tokens in one request, then the long-context row (issue 27)
       prefill_small
-      step prefill_llama-3.1-8b 180 python3 benchmark/offline/prefill.py \
-        --model benchmark/presets/llama-3.1-8b --json "$OUT/prefill_llama-3.1-8b.json"
+      prefill_8b
       step prefill_long 300 python3 benchmark/offline/prefill.py --model benchmark/presets/llama-3.1-8b \
         --num-requests 16 --min-len 16384 --max-len 32768 --repeats 3 --json "$OUT/prefill_long.json" ;;
     prefill-0.6b)  # the first of prefill's rows alone
       prefill_small ;;
+    prefill-8b)  # the second alone
+      prefill_8b ;;
     prefill-profile)  # the 8k-token Qwen3-0.6B prompt kernel by kernel
       step prefill_profile 180 python3 benchmark/offline/prefill.py --profile \
         --json "$OUT/prefill_profile.json" ;;
