@@ -1,6 +1,7 @@
 """The generic decoder and the loader: the same function as Hugging Face, for every architecture."""
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,29 +20,29 @@ from minisgl.scheduler.batch_builder import build_batch
 from minisgl.scheduler.token_table import TokenTable
 from minisgl.utils import DEFAULT_MODEL_PATH
 
-from .conftest import DEVICE, hf_greedy, hf_model
+from .conftest import DEVICE, hf_greedy, hf_model, save_random_checkpoint
 
+LLAMA3_ROPE = {
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+}
 # (architecture, checkpoint options): GQA everywhere; tied and untied; Llama 3.1 rope scaling;
+# config flags that Hugging Face reads for one architecture and not another;
 # Qwen3's head_dim differs from hidden / heads; one checkpoint sharded over several files;
 # Qwen3-MoE with 4 or 8 experts, top-2 or top-1, a dense layer among the sparse ones (by
 # mlp_only_layers or by decoder_sparse_step), weights renormalised or not
 VARIANTS = {
     "llama": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
-    "llama3-rope": (
-        "llama",
-        {
-            "rope_theta": 500000.0,
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        },
-    ),
+    "llama3-rope": ("llama", LLAMA3_ROPE),
     "mistral": ("mistral", {}),
+    "mistral-attention-bias": ("mistral", {"attention_bias": True}),  # which HF's Mistral ignores
     "qwen2": ("qwen2", {}),
     "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
     "qwen3": ("qwen3", {}),
@@ -83,6 +84,10 @@ def test_logits_and_greedy_tokens_equal_hf(checkpoint, variant: str) -> None:
     if "max_shard_size" in options:
         assert (path / "model.safetensors.index.json").is_file()
         assert len(list(path.glob("*.safetensors"))) > 1
+    assert_logits_and_greedy_tokens_equal_hf(path)
+
+
+def assert_logits_and_greedy_tokens_equal_hf(path: Path) -> None:
     hf = hf_model(path)
     with torch.no_grad():
         want_logits = hf(torch.tensor([PROMPT], device=hf.device)).logits[0].cpu()
@@ -96,6 +101,18 @@ def test_logits_and_greedy_tokens_equal_hf(checkpoint, variant: str) -> None:
         [PROMPT], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
     )
     assert out[0]["token_ids"] == want
+
+
+def test_a_top_level_original_context_overrides_the_llama3_scalings(
+    checkpoint, tmp_path: Path
+) -> None:
+    # as transformers 5 reads it; save_pretrained would have made the two agree
+    path = shutil.copytree(checkpoint("llama", **LLAMA3_ROPE), tmp_path / "top-level")
+    config = json.loads((path / "config.json").read_text())
+    assert config["rope_parameters"]["original_max_position_embeddings"] == 64
+    config["original_max_position_embeddings"] = 16
+    (path / "config.json").write_text(json.dumps(config))
+    assert_logits_and_greedy_tokens_equal_hf(path)
 
 
 def test_embedded_model_continues_once_upon_a_time_as_recorded() -> None:
@@ -166,3 +183,32 @@ def test_unexpected_tensor_is_named(checkpoint, tmp_path: Path) -> None:
     path = corrupt_copy(checkpoint("llama"), tmp_path / "bad", edit)
     with pytest.raises(ValueError, match=rf"unexpected.*{name}.*model\.safetensors"):
         Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
+
+
+@pytest.mark.parametrize(
+    ("arch", "flag"),
+    [("llama", "attention_bias"), ("llama", "mlp_bias"), ("qwen3", "attention_bias")],
+)
+def test_biases_we_do_not_model_are_refused(tmp_path: Path, arch: str, flag: str) -> None:
+    # Hugging Face puts attention_bias on o_proj too and mlp_bias on the MLP: neither is modelled
+    path = save_random_checkpoint(tmp_path / arch, arch, **{flag: True})
+    with pytest.raises(ValueError, match=rf"unsupported .*ForCausalLM setting {flag}: true"):
+        Engine(EngineConfig(model_path=path, device=DEVICE, max_kv_tokens=64, max_model_len=64))
+
+
+def test_a_stored_head_under_tied_embeddings_loads_only_if_it_is_the_embedding(
+    checkpoint, tmp_path: Path
+) -> None:
+    tied = checkpoint("llama", tie_word_embeddings=True)
+    embedding = load_file(tied / "model.safetensors")["model.embed_tokens.weight"]
+
+    def store_head(head: torch.Tensor):
+        return lambda t: t.update({"lm_head.weight": head})
+
+    same = corrupt_copy(tied, tmp_path / "same", store_head(embedding.clone()))
+    llm = LLM(str(same), device=DEVICE, dtype="float32", max_kv_tokens=64, max_model_len=64)
+    assert torch.equal(llm.engine.model.model.embed_tokens.weight.cpu(), embedding)
+    llm.close()
+    other = corrupt_copy(tied, tmp_path / "other", store_head(embedding + 1))
+    with pytest.raises(ValueError, match=r"ties the word embeddings.*lm_head\.weight.*differs"):
+        Engine(EngineConfig(model_path=other, device=DEVICE, max_kv_tokens=64, max_model_len=64))

@@ -11,16 +11,19 @@ class ArchTraits:
     """How one Hugging Face architecture differs from the plain Llama decoder."""
 
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
-    qkv_bias: bool | None = None  # None: read config.attention_bias
+    qkv_bias: bool = False  # biases on q, k and v (never on o_proj)
     moe: bool = False  # sparse layers of routed experts (Qwen3-MoE's config fields)
+    # config flags that give Hugging Face's model biases we do not model (attention_bias puts one
+    # on o_proj too): refused when true, not dropped
+    bias_flags: tuple[str, ...] = ()
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
-    "LlamaForCausalLM": ArchTraits(),
-    "MistralForCausalLM": ArchTraits(),
+    "LlamaForCausalLM": ArchTraits(bias_flags=("attention_bias", "mlp_bias")),
+    "MistralForCausalLM": ArchTraits(),  # its attention_bias is never read by Hugging Face
     "Qwen2ForCausalLM": ArchTraits(qkv_bias=True),
-    "Qwen3ForCausalLM": ArchTraits(qk_norm=True),
-    "Qwen3MoeForCausalLM": ArchTraits(qk_norm=True, moe=True),
+    "Qwen3ForCausalLM": ArchTraits(qk_norm=True, bias_flags=("attention_bias",)),
+    "Qwen3MoeForCausalLM": ArchTraits(qk_norm=True, moe=True, bias_flags=("attention_bias",)),
 }
 
 
@@ -68,10 +71,9 @@ class ModelConfig:
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
+        if biased := [flag for flag in traits.bias_flags if getattr(config, flag, False)]:
+            raise ConfigError(f"unsupported {arch} setting {', '.join(biased)}: true")
         rope_theta, rope_scaling = _rope_settings(config)
-        qkv_bias = traits.qkv_bias
-        if qkv_bias is None:
-            qkv_bias = bool(getattr(config, "attention_bias", False))
         max_positions = config.max_position_embeddings
         # sliding-window attention is not implemented: cap the context at the window instead
         window = getattr(config, "sliding_window", None)
@@ -91,7 +93,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
+            qkv_bias=traits.qkv_bias,
             qk_norm=traits.qk_norm,
             moe=_moe_config(config) if traits.moe else None,
         )
@@ -131,4 +133,7 @@ def _rope_settings(config: PretrainedConfig) -> tuple[float, RopeScaling | None]
         raise ConfigError(
             f"unsupported rope_scaling type {rope_type!r}; supported: default, llama3"
         )
+    # transformers 5 lets a top-level original_max_position_embeddings override the scaling's
+    if (original := getattr(config, "original_max_position_embeddings", None)) is not None:
+        scaling["original_max_position_embeddings"] = original
     return theta, tuple(sorted(scaling.items()))

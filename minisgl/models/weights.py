@@ -34,6 +34,7 @@ _MERGED = {
 }
 _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_EMBEDDING = "model.embed_tokens.weight"
 
 
 def _checkpoint_shape(module: str, kind: str, c: ModelConfig) -> tuple[int, ...] | None:
@@ -129,13 +130,15 @@ def load_weights(
     pending: dict[str, dict[int, torch.Tensor]] = {}
     stacker = ExpertStacker(expected, config.moe.num_experts if config.moe is not None else 0)
     seen: set[str] = set()
-    for file in checkpoint_files(model_path):
+    files = checkpoint_files(model_path)
+    for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue  # the LM head shares embed_tokens' weight
+                    _require_tied_head(files, file)  # the LM head shares embed_tokens' weight
+                    continue
                 module, kind = name.split(".")[-2:]
                 expert = per_expert(name) if config.moe is not None else None
                 target, full_shape = _target(name, expert, config)
@@ -175,6 +178,24 @@ def load_weights(
             f"checkpoint {model_path} is missing tensor(s) "
             f"{_describe_missing(missing, pending, stacker)}"
         )
+
+
+def _require_tied_head(files: list[Path], head_file: Path) -> None:
+    """A config that ties the LM head to the embedding, over a checkpoint that stores a head of
+    its own: transformers 5 loads a head that differs untied, so such a head is refused, not
+    dropped."""
+    with safe_open(str(head_file), framework="pt", device="cpu") as f:
+        head = f.get_tensor("lm_head.weight")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            if _EMBEDDING in f.keys():  # noqa: SIM118  (safe_open has no __contains__)
+                if not torch.equal(head, f.get_tensor(_EMBEDDING)):
+                    raise ConfigError(
+                        f"config.json ties the word embeddings, but {head_file.name} stores an "
+                        f"lm_head.weight that differs from {_EMBEDDING}; set "
+                        "tie_word_embeddings to false to use it"
+                    )
+                return
 
 
 def _describe_missing(
