@@ -109,3 +109,17 @@ def test_of_stop_strings_the_one_that_begins_first_wins_and_ends_the_request(
     # the token that completed it asks for the request to stop, once; later ones add nothing
     assert [stop for _, stop in steps] == [False, False, True, False]
     assert "".join(piece for piece, _ in steps) == "one "
+
+
+def test_output_that_completes_a_character_the_prompt_began_keeps_all_its_text() -> None:
+    stories = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_PATH))
+    e4, b8, ad = (stories.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xE4, 0xB8, 0xAD))
+    assert stories.decode([e4, b8, ad]) == "中"
+    bang = stories.convert_tokens_to_ids("!")
+    prompt = stories.encode("hi") + [e4, b8]  # token ids that end inside a character
+    output = [ad, bang, bang, bang]
+    detok = IncrementalDetokenizer(stories, prompt)
+    pieces = [detok.step([t])[0] for t in output[:-1]] + [detok.step(output[-1:], _finished())[0]]
+    assert "".join(pieces) == detok.text == "中!!!"
+    at_once = IncrementalDetokenizer(stories, prompt)
+    assert at_once.step(output, _finished()) == ("中!!!", False)

@@ -49,8 +49,13 @@ class IncrementalDetokenizer:
     def _read(self, final: bool) -> None:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
-            self.text += new_text[len(prefix_text) :]
+        start = len(prefix_text)
+        if not new_text.startswith(prefix_text):
+            # a prompt that ends inside a character: the output's first bytes complete it, and
+            # the whole character is output text
+            start = len(prefix_text.rstrip("\ufffd"))
+        if len(new_text) > start and (final or not new_text.endswith("\ufffd")):
+            self.text += new_text[start:]
             # the ids before the new prefix are never decoded again
             del self._ids[: self._read_offset]
             self._prefix_offset, self._read_offset = 0, len(self._ids)
