@@ -8,7 +8,7 @@ import time
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.core import StructuredOutput
+from minisgl.core import MAX_SCHEMA_DEPTH, StructuredOutput
 
 from .conftest import DEVICE
 
@@ -95,6 +95,28 @@ def test_bad_sampling_params_raise(llm: LLM, expected: list[int], params: dict, 
 def test_bad_structured_outputs_raise(fields: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         StructuredOutput(**fields)
+
+
+def nested_schema(depth: int) -> dict:
+    """A schema whose objects nest `depth` levels: arrays of arrays of ... of integers."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_schema_nested_past_the_limit_raises(as_text: bool) -> None:
+    def given(depth: int) -> str | dict:
+        if not as_text:
+            return nested_schema(depth)
+        levels = depth - 1  # written out: json.dumps itself stops at ~1,000
+        return '{"type": "array", "items": ' * levels + '{"type": "integer"}' + "}" * levels
+
+    assert StructuredOutput(json_schema=given(MAX_SCHEMA_DEPTH)).json_schema
+    for depth in (MAX_SCHEMA_DEPTH + 1, 100_000):  # past json's recursion limit too
+        with pytest.raises(ValueError, match=f"nests deeper than {MAX_SCHEMA_DEPTH} levels"):
+            StructuredOutput(json_schema=given(depth))
 
 
 def test_a_schema_given_as_an_object_is_taken_as_its_json() -> None:

@@ -9,6 +9,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 
 from .server_process import ServerProcess
+from .test_bad_input import nested_schema
 
 PROMPT = "Once upon a time"
 
@@ -194,3 +195,27 @@ def test_fields_that_would_be_ignored_are_refused(server: ServerProcess, fields,
     """OpenAI refuses stream_options without streaming; a schema only counts for json_schema."""
     r = server.post("/v1/completions", json={"model": "m", "prompt": PROMPT, **fields})
     assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
+
+
+DEEP = {"type": "array", "items": nested_schema(300)}  # past orjson's 254 levels when written
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"structured_outputs": {"json": DEEP}},
+        {"guided_json": DEEP},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": DEEP}}},
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}],
+            "tool_choice": "required",
+        },
+    ],
+)
+def test_a_schema_nested_past_the_limit_is_a_400(server: ServerProcess, fields) -> None:
+    chat = "messages" in fields
+    body = {"model": "m", **fields} if chat else {"model": "m", "prompt": PROMPT, **fields}
+    r = server.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+    assert r.status_code == 400 and "nests deeper than" in r.json()["error"]["message"], r.text
+    assert _text(server, max_tokens=4).text  # served on

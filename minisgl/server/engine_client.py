@@ -103,10 +103,15 @@ class EngineClient:
         return [next(self._rids) for _ in range(n)]
 
     def submit(self, request: TokenizeRequest) -> ReqGroup:
-        """Send the request on; raises ApiError(429) when the queue is full, 503 when draining."""
+        """Send the request on; raises ApiError(429) when the queue is full, 400 when it could
+        never hold the request, 503 when draining."""
         if self.draining:
             raise ApiError(503, "the server is shutting down")
         n = len(request.rids)
+        if self._max_queued is not None and n > self._max_queued:
+            raise ApiError(
+                400, f"{n} sequences (prompts x n) exceed the server's queue of {self._max_queued}"
+            )
         if self._max_queued is not None and self._num_queued + n > self._max_queued:
             raise ApiError(
                 429, "too many requests are waiting; try again later", headers={"Retry-After": "1"}

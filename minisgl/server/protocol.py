@@ -108,6 +108,13 @@ class StructuredOutputs(_Strict):
 
 
 # the request fields that are SamplingParams' fields of the same name and meaning
+def _structured_output(kind: str, value: Any) -> StructuredOutput:
+    try:
+        return StructuredOutput(**{kind: value})
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
@@ -166,7 +173,7 @@ class _GenerateRequest(_Body):
             schema = self.response_format.json_schema
             if schema is None or schema.schema_ is None:
                 raise ApiError(400, "response_format json_schema needs json_schema.schema")
-            given.append(StructuredOutput(json_schema=orjson.dumps(schema.schema_).decode()))
+            given.append(_structured_output("json_schema", schema.schema_))
         so = self.structured_outputs or StructuredOutputs()
         if so.json_object:
             given.append(StructuredOutput(json_object=True))
@@ -176,14 +183,7 @@ class _GenerateRequest(_Body):
             ("regex", self.guided_regex), ("choice", self.guided_choice),
             ("grammar", self.guided_grammar),
         ]  # fmt: skip
-        for kind, value in sources:
-            if isinstance(value, dict):  # a schema given as an object
-                value = orjson.dumps(value).decode()
-            if value is not None:
-                try:
-                    given.append(StructuredOutput(**{kind: value}))
-                except ValueError as e:
-                    raise ApiError(400, str(e)) from None
+        given += [_structured_output(kind, value) for kind, value in sources if value is not None]
         if len(given) > 1:
             raise ApiError(400, "give one output constraint: response_format, structured_outputs "
                            "or guided_* name more than one")  # fmt: skip
@@ -374,7 +374,7 @@ class ChatCompletionRequest(_GenerateRequest):
         if params.structured is not None:
             raise ApiError(400, "tool_choice required or a named function cannot be combined "
                            "with another structured output")  # fmt: skip
-        structured = StructuredOutput(json_schema=orjson.dumps(schema).decode())
+        structured = _structured_output("json_schema", schema)
         return replace(params, structured=structured)
 
     def tool_use(self) -> tuple[Literal["none", "auto", "required", "named"], str | None]:

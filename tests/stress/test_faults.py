@@ -206,10 +206,14 @@ def test_tiny_kv_pool_preempts_and_every_request_finishes_unchanged(start_server
 
 # ------------------------------------------------------------------------ a full queue
 def test_request_beyond_max_queued_is_a_429_with_retry_after(start_server) -> None:
+    """A full queue is a 429 that clients retry; a request whose sequences could never fit the
+    queue is a 400, idle server or not."""
     server = start_server(
         "--max-running-requests", "1", "--max-queued-requests", "2", "--max-kv-tokens", "4096"
     )
     before = server.metrics()
+    never_fits = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once", "n": 3})
+    assert "queue of 2" in assert_openai_error(never_fits, 400)["message"]
     holder = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 2000))
     holder.read_until(_has_an_event)  # running
     with ThreadPoolExecutor(2) as pool:
