@@ -101,7 +101,8 @@ class SamplingParams:
     Penalties are vLLM's: presence and frequency over the output tokens (subtracted from the
     logits, once per distinct token and once per occurrence), repetition over prompt and output
     (positive logits divided by it, negative ones multiplied). min_tokens holds back eos, stop
-    tokens and stop strings until that many tokens are out."""
+    tokens and stop strings until that many tokens are out, unless a structured output's grammar
+    allows nothing else: then it ends."""
 
     temperature: float = 1.0
     top_k: int = -1  # -1 or 0: off; above the vocabulary: off

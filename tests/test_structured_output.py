@@ -10,6 +10,7 @@ longest output each allows."""
 import asyncio
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -210,3 +211,17 @@ def test_offline_constraint_that_does_not_compile_raises_and_leaks_nothing(
     assert not llm.scheduler.has_work
     llm.scheduler.check_integrity()
     assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
+
+
+def test_a_grammar_that_can_only_end_ends_before_min_tokens(stories_llm: LLM) -> None:
+    # min_tokens holds back the eos that ends the grammar: once nothing else may follow, it yields
+    choice = SamplingParams(
+        temperature=0, max_tokens=20, structured=StructuredOutput(choice=["Lily"])
+    )
+    free = stories_llm.generate(["Once upon a time"], choice, use_tqdm=False)[0]
+    held = stories_llm.generate(
+        ["Once upon a time"], replace(choice, min_tokens=10), use_tqdm=False
+    )[0]
+    assert held["text"] == free["text"] == "Lily"
+    assert held["token_ids"] == free["token_ids"] and held["finish_reason"] == "stop"
+    assert free["token_ids"][-1] in stories_llm.scheduler.eos_ids

@@ -378,7 +378,8 @@ class Scheduler:
 
     def _token_masks(self, reqs: list[Req], processed: list[int]) -> TokenMasks | None:
         """The masks of the rows that sample under a grammar, or before min_tokens (which holds
-        back eos and stop tokens)."""
+        back eos and stop tokens while anything else may follow: a grammar that can only end
+        ends)."""
         rows = [
             i
             for i in processed
@@ -397,9 +398,12 @@ class Scheduler:
                 stops = set(req.params.stop_token_ids)
                 if not req.params.ignore_eos:
                     stops |= self.eos_ids
+                held = words[j].copy()
                 for t in stops:
                     if t < self.layout.vocab_size:  # stop ids past it are never sampled
-                        words[j, t >> 5] &= ~np.uint32(1 << (t & 31))
+                        held[t >> 5] &= ~np.uint32(1 << (t & 31))
+                if held.any():
+                    words[j] = held
         return TokenMasks(rows, bits)
 
     def check_integrity(self) -> None:
