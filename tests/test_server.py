@@ -178,6 +178,24 @@ def test_logprobs_give_the_top_tokens_of_each_step(server: ServerProcess) -> Non
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_streamed_logprobs_equal_the_whole_reply_while_a_stop_string_holds_text_back(
+    server: ServerProcess,
+) -> None:
+    fields = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=12, logprobs=1)
+    fields["stop"] = ["qqqqqqqq"]  # never matched: each piece's last 7 characters wait
+    whole = server.client().completions.create(**fields).choices[0]
+    chunks = [c.choices[0] for c in server.client().completions.create(stream=True, **fields)]
+    pieces = [c.logprobs for c in chunks if c.logprobs]
+    assert [t for lp in pieces for t in lp.tokens] == whole.logprobs.tokens
+    assert [o for lp in pieces for o in lp.text_offset] == whole.logprobs.text_offset
+    # the second request reads the prompt's KV from the prefix cache: the last bits may differ
+    streamed_logprobs = [p for lp in pieces for p in lp.token_logprobs]
+    assert streamed_logprobs == pytest.approx(whole.logprobs.token_logprobs, abs=1e-4)
+    assert whole.logprobs.text_offset == [
+        sum(map(len, whole.logprobs.tokens[:i])) for i in range(len(whole.logprobs.tokens))
+    ]
+
+
 BAD_BODIES = {
     "wrong type: temperature": {"temperature": "hot"},
     "wrong type: max_tokens": {"max_tokens": "ten"},

@@ -158,7 +158,7 @@ class _Run:
         batch = first
         try:
             while True:
-                offsets = {i: len(c.text) for i, c in enumerate(self.choices)}
+                offsets = {i: c.logprobs_chars for i, c in enumerate(self.choices)}
                 for index, piece in self._apply(batch).items():
                     is_first = index not in sent
                     if is_first or piece.text or piece.logprobs or piece.end:

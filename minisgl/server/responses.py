@@ -26,11 +26,15 @@ class Choice:
     text: str = ""
     logprobs: list[TextLogprobs] = field(default_factory=list)
     end: Finished | None = None
+    # the logprobs' token texts, in characters: where the next token's text_offset is (the text
+    # lags behind while a possible stop string is held back)
+    logprobs_chars: int = 0
 
     def add(self, text: str, logprobs: TextLogprobs | None) -> None:
         self.text += text
         if logprobs is not None:
             self.logprobs.append(logprobs)
+            self.logprobs_chars += len(logprobs.token)
 
     @property
     def finish_reason(self) -> str | None:
