@@ -99,3 +99,28 @@ def test_an_unknown_field_in_a_nested_object_is_refused_by_name(server: ServerPr
     body["messages"] = [{"role": "user", "content": "Hi", "refusal": "no"}]
     response = server.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and "refusal" in response.json()["error"]["message"]
+
+
+def test_a_body_field_ignored_is_refused_inside_a_nested_object(server: ServerProcess) -> None:
+    body = dict(BASE["/v1/chat/completions"])
+    body["messages"] = [{"role": "user", "content": "Hi", "store": True}]
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and "store" in response.json()["error"]["message"]
+
+
+NULLS = {
+    "/v1/completions": ("n", "stream", "echo", "logprobs", "stop", "seed", "temperature", "user"),
+    "/v1/chat/completions": (
+        "n", "stream", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format",
+        "max_completion_tokens",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("route", list(NULLS))
+def test_a_field_sent_as_null_counts_as_not_sent(server: ServerProcess, route: str) -> None:
+    """OpenAI's schemas allow null for these ("or null"): the default applies."""
+    response = server.post(route, json=BASE[route] | dict.fromkeys(NULLS[route]))
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    assert len(reply["choices"]) == 1 and reply["usage"]["completion_tokens"] == 2

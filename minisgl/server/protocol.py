@@ -13,7 +13,7 @@ output, the JSON schema of its calls, as in vLLM (responses.py reads the calls o
 """
 
 from dataclasses import replace
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -27,9 +27,9 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
-# Fields that change nothing in the output (bookkeeping for OpenAI's own services): accepted and
-# dropped. Any other field a body sends and no schema below declares is refused with a 400 that
-# names it, so that no field is accepted and ignored.
+# A body's fields that change nothing in the output (bookkeeping for OpenAI's own services):
+# accepted and dropped. Any other field that no schema below declares, in the body or an object
+# inside it, is refused with a 400 that names it, so that no field is accepted and ignored.
 IGNORED_FIELDS = frozenset(
     {
         "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -40,19 +40,27 @@ IGNORED_FIELDS = frozenset(
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # the extra fields are checked below
+    _ignored: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="after")
     def _refuse_unknown_fields(self) -> "_Strict":
-        unknown = sorted(set(self.model_extra or {}) - IGNORED_FIELDS)
+        unknown = sorted(set(self.model_extra or {}) - self._ignored)
         if unknown:
             raise ValueError(f"unsupported field(s): {', '.join(unknown)}")
         return self
 
 
 class _Body(_Strict):
-    """A request's body; it may name the model it is for."""
+    """A request's body; it may name the model it is for. A field sent as null counts as not
+    sent, as OpenAI takes it."""
 
+    _ignored = IGNORED_FIELDS
     model: str | None = None  # None: the served model
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 Body = TypeVar("Body", bound=_Body)
