@@ -217,6 +217,10 @@ BAD_BODIES = {
     "bad value: repetition_penalty": {"repetition_penalty": 0},
     "bad value: min_tokens above max_tokens": {"min_tokens": 20, "max_tokens": 10},
     "bad value: logit_bias key": {"logit_bias": {"dog": 1}},
+    "bad value: logit_bias key with a space": {"logit_bias": {" 5": 1}},
+    "bad value: logit_bias key with an underscore": {"logit_bias": {"5_0": 1}},
+    "bad value: logit_bias key in other digits": {"logit_bias": {"٥": 1}},
+    "bad value: logit_bias id twice": {"logit_bias": {"5": 1, "05": -1}},
     "bad value: logit_bias token": {"logit_bias": {"100000": 1}},
     "bad value: logit_bias value": {"logit_bias": {"5": 101}},
     "bad value: response_format json_schema without one": {

@@ -204,10 +204,12 @@ class _GenerateRequest(_Body):
         default, or the rest of the context where rest_of_context."""
         bias = None
         if self.logit_bias is not None:
-            try:
-                bias = {int(token): value for token, value in self.logit_bias.items()}
-            except ValueError:
-                raise ApiError(400, "logit_bias keys must be token ids") from None
+            # int() would also take " 5", "+5", "5_0" and other scripts' digits
+            if not all(token.isascii() and token.isdigit() for token in self.logit_bias):
+                raise ApiError(400, "logit_bias keys must be token ids")
+            bias = {int(token): value for token, value in self.logit_bias.items()}
+            if len(bias) < len(self.logit_bias):
+                raise ApiError(400, "logit_bias names a token id twice")
         given: dict[str, Any] = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         given.update(
             max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias, structured=self._structured()
