@@ -1,12 +1,13 @@
 """Checks that only make sense on a GPU (MINISGL_TEST_DEVICE=cuda): bf16 fast paths against the
 bf16 reference path, programmatic dependent launch on and off, the dummy-weight Qwen3-0.6B shape
-the benchmarks use, and the Triton MoE in bf16 at the Qwen3-30B-A3B layer shape and in CUDA
-graphs."""
+the benchmarks use, the Triton MoE in bf16 at the Qwen3-30B-A3B layer shape and in CUDA
+graphs, and the pinned buffers that eager steps' inputs are copied through."""
 
 import json
 import random
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from minisgl.kernel.triton.pdl import use_pdl
 from minisgl.moe.base import Routing
 from minisgl.moe.torch_backend import TorchMoE
 from minisgl.moe.triton_backend import TritonMoE
+from minisgl.utils.torch_utils import PinnedStaging
 
 from .conftest import DEVICE, QWEN3_TOKENIZER, assert_same_or_near_tie, hf_model
 
@@ -201,3 +203,14 @@ def test_moe_greedy_tokens_with_triton_in_cuda_graphs_equal_torch(checkpoint) ->
     alone = prompts[:3]
     got = [fused.generate([p], sp, use_tqdm=False)[0]["token_ids"] for p in alone]
     assert_equal_or_near_tie(hf, alone, got, want[:3])
+
+
+def test_pinned_staging_writes_no_buffer_whose_copy_still_waits() -> None:
+    staging = PinnedStaging(slots=2)
+    sizes = [5, 3000, 7, 100_000, 2, 64]
+    arrays = [np.arange(n, dtype=np.int32) * (i + 1) for i, n in enumerate(sizes)]
+    arrays.append(np.linspace(0, 1, 33, dtype=np.float32))
+    torch.cuda._sleep(50_000_000)  # every copy queues behind ~25 ms of GPU time
+    copies = [staging.to_device(a, torch.device("cuda")) for a in arrays]
+    for array, copy in zip(arrays, copies, strict=True):
+        assert np.array_equal(copy.cpu().numpy(), array)

@@ -31,7 +31,12 @@ from minisgl.utils import init_logger
 from minisgl.utils.cpus import usable_cpus
 from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.host_memory import keep_freed_memory
-from minisgl.utils.torch_utils import pack_to_device, resolve_device, resolve_dtype
+from minisgl.utils.torch_utils import (
+    PinnedStaging,
+    pack_to_device,
+    resolve_device,
+    resolve_dtype,
+)
 
 from .context import ForwardBatch, forward_context, load_inputs
 from .graph import GraphRunner
@@ -180,6 +185,7 @@ class Engine:
             self.token_table.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda"
         )
         self._host_tokens = self.host_token_table.numpy().reshape(-1)  # a view, for reads
+        self._staging = PinnedStaging() if self.device.type == "cuda" else None  # eager inputs
 
     def _warm_up_lm_head(self, max_rows: int) -> None:
         """Run the LM head once at every row count a step can give it (one per sampled request).
@@ -222,7 +228,7 @@ class Engine:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             logits, step_tokens, inputs = self.graph_runner.run(batch, sampling)
         else:
-            inputs = upload(batch.inputs, self.device)
+            inputs = upload(batch.inputs, self.device, self._staging)
             metadata = self.attn_backend.prepare(batch)
             logits, step_tokens = self._step(batch.is_decode, inputs, metadata, sampling)
         out = self.sampler.sample(logits, step_tokens, args)
@@ -244,9 +250,11 @@ class Engine:
         return ForwardOutput(done, host_entries=entries, host_table=self._host_tokens)
 
 
-def upload(host: BatchInputs, device: torch.device) -> BatchInputs[torch.Tensor]:
-    """A batch's host inputs on the device, in one transfer."""
-    return BatchInputs(**pack_to_device(device, torch.int32, **vars(host)))
+def upload(
+    host: BatchInputs, device: torch.device, staging: PinnedStaging | None = None
+) -> BatchInputs[torch.Tensor]:
+    """A batch's host inputs on the device, in one transfer (through `staging` where given)."""
+    return BatchInputs(**pack_to_device(device, torch.int32, staging, **vars(host)))
 
 
 def _forward_step(
