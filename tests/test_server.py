@@ -140,6 +140,13 @@ def test_finish_reason_is_length_at_max_tokens_and_stop_at_a_stop_token(
     stop = client.completions.create(extra_body={"stop_token_ids": [ids[5]]}, **kwargs)
     assert stop.choices[0].finish_reason == "stop"
     assert stop.usage.completion_tokens == ids.index(ids[5]) + 1
+    # vLLM's stop_reason: the stop token, and None at the length limit or an eos
+    assert stop.choices[0].stop_reason == ids[5] and length.choices[0].stop_reason is None
+    story = client.completions.create(
+        model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=500
+    )  # the embedded model's story ends on its eos after 342 tokens (test_models.py)
+    assert story.choices[0].finish_reason == "stop" and story.usage.completion_tokens == 342
+    assert story.choices[0].stop_reason is None
 
 
 def test_usage_counts_prompt_and_completion_tokens(server: ServerProcess, stories_llm: LLM) -> None:

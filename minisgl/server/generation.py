@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
@@ -15,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
+from minisgl.core import SamplingParams
 from minisgl.messages import Finished, ReqError, TokenizeRequest
 
 from .engine_client import Delta, EngineClient, Interrupted, Item, ReqGroup
@@ -41,7 +43,7 @@ async def generate(
     Its first items come before anything is answered: a request the engine refused (they are
     admitted all or none) still gets its 400. echo: a text each choice's starts with."""
     group = client.submit(tokenize)
-    run = _Run(client, group, fmt, model, len(tokenize.params), want_logprobs, timeout)
+    run = _Run(client, group, fmt, model, tokenize.params, want_logprobs, timeout)
     streaming = False
     try:
         first = await _until_disconnected(request, run.next_items())
@@ -92,12 +94,13 @@ class _Run:
         group: ReqGroup,
         fmt: ReplyFormat,
         model: str,
-        n: int,
+        params: list[SamplingParams],
         want_logprobs: bool,
         timeout: float | None,
     ) -> None:
         self.client, self.group, self.fmt = client, group, fmt
-        self.model, self.n, self.want_logprobs = model, n, want_logprobs
+        self.model, self.n, self.want_logprobs = model, len(params), want_logprobs
+        self._stop_ids = [frozenset(p.stop_token_ids) for p in params]  # per choice of a prompt
         self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -134,6 +137,9 @@ class _Run:
                 piece.add(item.text, item.logprobs)
             else:
                 assert isinstance(item, Finished)
+                stop = item.matched_stop
+                if isinstance(stop, int) and stop not in self._stop_ids[index % self.n]:
+                    item = replace(item, matched_stop=None)  # vLLM's stop_reason: None for eos
                 self.choices[index].end = piece.end = item
         return pieces
 
