@@ -395,7 +395,8 @@ def test_graph_runner_pads_what_a_smaller_batch_leaves_of_a_larger_ones_inputs(m
     """Two decode batches replay the same captured size (16): 12 requests with a page write
     each, then 9 with 2 writes. The second must not inherit the first's inputs: its rows past 9
     and its page writes past 2 are the padding's (the dummy slot, the dummy page's entry), else
-    the graph would recompute stale rows and re-point page-table entries of reused slots."""
+    the graph would recompute stale rows and re-point page-table entries of reused slots. A
+    request that starts a new page writes the page's 4 entries: its graph runs them too."""
     llm = LLM(
         str(model_path), device=DEVICE, dtype="float32", max_kv_tokens=512, page_size=4,
         cuda_graph_max_bs=16,
@@ -411,16 +412,17 @@ def test_graph_runner_pads_what_a_smaller_batch_leaves_of_a_larger_ones_inputs(m
         _, _, inputs = runner.run(batch, None)
         assert inputs.slots.tolist() == list(range(size))  # the batch's own rows of the inputs
 
+    decode(1, 4)
     decode(12, 12)
     decode(9, 2)
-    static = runner.static_inputs(16, 16, 16)
+    static = runner.static_inputs(16, 16, 16 * 4)  # all of them
     dummy_slot = engine.layout.sink_slot
     dummy_entry = dummy_slot * width
     assert static.slots.tolist() == list(range(9)) + [dummy_slot] * 7
     assert static.positions.tolist() == [8] * 9 + [0] * 7
     assert static.longest_first.tolist() == list(range(16))
-    assert static.page_write_entries.tolist() == [8, width + 8] + [dummy_entry] * 14
-    assert static.page_write_values.tolist() == [8, 9] + [engine.pool.dummy_loc] * 14
+    assert static.page_write_entries.tolist() == [8, width + 8] + [dummy_entry] * 62
+    assert static.page_write_values.tolist() == [8, 9] + [engine.pool.dummy_loc] * 62
 
 
 def test_generate_reports_when_each_request_got_its_first_and_last_token(model_path) -> None:

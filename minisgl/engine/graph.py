@@ -26,14 +26,26 @@ Sampling = tuple[torch.Tensor, torch.Tensor] | None
 StepFn = Callable[[bool, BatchInputs[torch.Tensor], object, Sampling], tuple[torch.Tensor, ...]]
 
 # The rows of a captured size's static input block: a decode batch's inputs with one entry per
-# request (its page-table writes too: a decode adds at most one page per request). cu_seqlens_q
-# and last_indices of a decode are ranges, and a batch a graph runs writes no token ids.
+# request, and a page's entries per request for its page-table writes (a decode adds at most
+# one page per request). cu_seqlens_q and last_indices of a decode are ranges, and a batch a
+# graph runs writes no token ids.
 _ROWS = tuple(
     f.name
     for f in fields(BatchInputs)
     if f.name not in ("cu_seqlens_q", "last_indices", "token_write_entries", "token_write_values")
 )
 _PAGE_WRITES = ("page_write_entries", "page_write_values")
+_ALIGN = 4  # int32 entries: each row starts 16-byte aligned, as pack_to_device's columns
+
+
+def _row_spans(bs: int, page_size: int) -> dict[str, slice]:
+    """Where each row of size bs's static block lies in it."""
+    spans, end = {}, 0
+    for row in _ROWS:
+        width = bs * page_size if row in _PAGE_WRITES else bs
+        spans[row] = slice(end, end + width)
+        end += width + -width % _ALIGN
+    return spans
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -54,6 +66,8 @@ class GraphRunner:
         self.step = step
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = max_bs
+        self.page_size = layout.page_size
+        self._spans = {bs: _row_spans(bs, layout.page_size) for bs in self.sizes}
         # Padding rows: any token at position 0 of the dummy slot, reading and rewriting the dummy
         # page's entry, its sampled token going to the token table's sink row (the dummy slot's
         # row there). A request without a page write of its own rewrites the dummy entry too.
@@ -65,13 +79,16 @@ class GraphRunner:
             "sample_entries": dummy_slot * layout.token_table_width,
             "page_write_entries": dummy_entry, "page_write_values": dummy_loc,
         }  # fmt: skip
-        padding = np.array([[padding_row[row]] for row in _ROWS], dtype=np.int32)
-        # each size's static inputs: a contiguous [rows, size] block, so that a batch's inputs
+        # each size's static inputs: one contiguous block of its rows, so that a batch's inputs
         # arrive in one host-to-device copy straight into it. The host image starts as padding;
         # in the longest-first order padding rows (one token) come last, each as itself
-        self._images = {bs: padding.repeat(bs, axis=1) for bs in self.sizes}
-        for bs, image in self._images.items():
-            image[_ROWS.index("longest_first")] = np.arange(bs)
+        self._images = {}
+        for bs, spans in self._spans.items():
+            image = np.zeros(max(span.stop for span in spans.values()), dtype=np.int32)
+            for row, span in spans.items():
+                image[span] = padding_row[row]
+            image[spans["longest_first"]] = np.arange(bs)
+            self._images[bs] = image
         self._inputs = {
             bs: torch.tensor(image, device=device) for bs, image in self._images.items()
         }
@@ -86,10 +103,13 @@ class GraphRunner:
             self._capture_all(device)
 
     def static_inputs(self, padded: int, rows: int, num_writes: int) -> BatchInputs[torch.Tensor]:
-        """The first `rows` columns of size `padded`'s static inputs, of which the first
-        `num_writes` page writes (a captured size's own: all of them)."""
-        block = dict(zip(_ROWS, self._inputs[padded], strict=True))
-        views = {n: t[: num_writes if n in _PAGE_WRITES else rows] for n, t in block.items()}
+        """The first `rows` entries of each row of size `padded`'s static inputs, and of its page
+        writes the first `num_writes`."""
+        block = self._inputs[padded]
+        views = {
+            row: block[span.start : span.start + (num_writes if row in _PAGE_WRITES else rows)]
+            for row, span in self._spans[padded].items()
+        }
         no_writes = self._rows[:0]
         return BatchInputs(
             cu_seqlens_q=self._rows[: rows + 1],
@@ -105,7 +125,7 @@ class GraphRunner:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-                inputs, sampling = self.static_inputs(bs, bs, bs), self._static_sampling(bs)
+                inputs, sampling = self._all_static_inputs(bs), self._static_sampling(bs)
                 self.step(True, inputs, None, sampling)  # warm-up: lazy initialisation stays out
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -128,14 +148,18 @@ class GraphRunner:
             graph.reset()
         self._graphs.clear()
 
+    def _all_static_inputs(self, bs: int) -> BatchInputs[torch.Tensor]:
+        """A captured size's whole static inputs: what its graph reads."""
+        return self.static_inputs(bs, bs, bs * self.page_size)
+
     def can_run(self, batch: Batch) -> bool:
-        """A decode batch whose only table writes are at most one page entry per request (a
+        """A decode batch whose only table writes are at most a page's entries per request (a
         request admitted with a one-token prompt, or readmitted, writes more: it runs eagerly)."""
         return (
             batch.is_decode
             and batch.size <= self.max_bs
             and len(batch.inputs.token_write_entries) == 0
-            and len(batch.inputs.page_write_entries) <= batch.size
+            and len(batch.inputs.page_write_entries) <= batch.size * self.page_size
         )
 
     def _static_sampling(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +183,9 @@ class GraphRunner:
         image = self._images[padded].copy()
         columns = vars(batch.inputs)
         num_writes = len(batch.inputs.page_write_entries)
-        for i, row in enumerate(_ROWS):
-            image[i, : num_writes if row in _PAGE_WRITES else bs] = columns[row]
+        for row, span in self._spans[padded].items():
+            filled = num_writes if row in _PAGE_WRITES else bs
+            image[span.start : span.start + filled] = columns[row]
         copy_to_device(torch.from_numpy(image), self._inputs[padded])
         logits, tokens = self.replay(padded)
         return logits[:bs], tokens[:bs], self.static_inputs(padded, bs, num_writes)
@@ -173,4 +198,4 @@ class GraphRunner:
             graph.replay()
             return logits, tokens
         # the CPU twin: same static buffers, no capture
-        return self.step(True, self.static_inputs(bs, bs, bs), None, self._static_sampling(bs))
+        return self.step(True, self._all_static_inputs(bs), None, self._static_sampling(bs))
