@@ -5,9 +5,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minisgl import LLM, SamplingParams
 from minisgl.kvcache import IntegrityError
 from minisgl.kvcache.manager import KVCacheManager
 from minisgl.kvcache.radix_cache import RadixCache
+from minisgl.messages import AddRequests
+from minisgl.scheduler.worker import FULL_CHECK_MAX_PAGES, SchedulerWorker
+
+from .conftest import DEVICE
 
 
 def test_match_returns_only_whole_cached_pages() -> None:
@@ -196,3 +201,35 @@ def test_any_sequence_of_slot_operations_keeps_the_accounting(ops) -> None:
     kv.flush_prefix_cache()  # nothing leaked: every page free again
     assert kv.allocator.num_free == kv.num_pages
     kv.check_integrity()
+
+
+def test_idle_counts_catch_a_leaked_page_and_a_locked_one() -> None:
+    kv = make_manager()
+    kv.admit(0, [])
+    kv.reserve(0, 8)
+    with pytest.raises(IntegrityError, match="a slot is live"):
+        kv.check_idle_counts()
+    kv.release(0, list(range(6)))  # 3 pages cached, the 4th freed
+    kv.check_idle_counts()
+    kv.check_integrity()
+    node, _ = kv.prefix_cache.match(list(range(6)))
+    kv.prefix_cache.lock(node)  # a handle nobody holds any more
+    with pytest.raises(IntegrityError, match="locked with no request running"):
+        kv.check_idle_counts()
+    kv.prefix_cache.unlock(node)
+    kv.allocator.alloc(1)  # a page taken and never given to a slot
+    with pytest.raises(IntegrityError, match=r"free 4 \+ cached 3 != 8"):
+        kv.check_idle_counts()
+
+
+def test_an_idle_scheduler_over_a_large_pool_checks_the_totals() -> None:
+    big = LLM(device=DEVICE, dtype="float32", max_kv_tokens=FULL_CHECK_MAX_PAGES + 1024)
+    worker = SchedulerWorker(big.scheduler, 0, None)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    worker.step([AddRequests([[5, 6, 7]], [[0]], [[params]])])
+    while worker.scheduler.has_work:
+        worker.step([])
+    assert worker.integrity_checks >= 1 and worker.integrity_failures == 0
+    big.scheduler.kv.allocator.alloc(1)  # a leak
+    worker.step([])
+    assert worker.integrity_failures == 1
