@@ -21,7 +21,7 @@ from minisgl.engine.engine import upload
 from minisgl.engine.sampler import Sampler
 from minisgl.kvcache.manager import KVCacheManager
 from minisgl.scheduler.batch_builder import build_batch
-from minisgl.utils.torch_utils import resolve_device
+from minisgl.utils.torch_utils import PinnedStaging, resolve_device
 
 VOCAB_SIZE = 151936  # Qwen3's: where top-k is off, the sampler sends the vocabulary size
 
@@ -37,6 +37,7 @@ def time_steps(
     reqs = [Req(i, [1] * context, params, seed=i, slot=i) for i in range(batch_size)]
     token_table = torch.zeros((batch_size + 1, width), dtype=torch.int32, device=device)
     sampler = Sampler(VOCAB_SIZE, device, token_table)
+    staging = PinnedStaging() if device.type == "cuda" else None  # as the engine's eager steps
     for req in reqs:
         kv.admit(req.slot, [])
         if not kv.reserve(req.slot, context):
@@ -52,7 +53,7 @@ def time_steps(
             raise RuntimeError("the pool is sized to hold every request")
         writes = kv.take_page_writes()
         batch = build_batch(reqs, lens, [1] * batch_size, layout, None, writes)
-        upload(batch.inputs, device)  # what the engine does in an eager step; a graph copies alike
+        upload(batch.inputs, device, staging)  # an eager step's copy; a graph copies alike
         sampler.prepare(batch)
         seconds.append(time.perf_counter() - start)
         assert batch.is_decode and batch.num_tokens == batch_size
