@@ -48,19 +48,27 @@ def sample_many(probs: torch.Tensor, **params: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("params", "expected"),
+    ("params", "expected", "probs"),
     [
-        ({}, [0.4, 0.3, 0.2, 0.1]),
-        ({"temperature": 0.5}, [16 / 30, 9 / 30, 4 / 30, 1 / 30]),  # p^2, renormalised
-        ({"top_k": 2}, [4 / 7, 3 / 7, 0, 0]),
-        ({"top_p": 0.75}, [4 / 9, 3 / 9, 2 / 9, 0]),  # smallest set reaching 0.75
-        ({"top_p": 0.35}, [1.0, 0, 0, 0]),
-        ({"min_p": 0.6}, [4 / 7, 3 / 7, 0, 0]),  # keep p >= 0.6 * max
-        ({"top_k": 3, "top_p": 0.5}, [4 / 7, 3 / 7, 0, 0]),
+        ({}, [0.4, 0.3, 0.2, 0.1], PROBS),
+        ({"temperature": 0.5}, [16 / 30, 9 / 30, 4 / 30, 1 / 30], PROBS),  # p^2, renormalised
+        ({"top_k": 2}, [4 / 7, 3 / 7, 0, 0], PROBS),
+        ({"top_p": 0.75}, [4 / 9, 3 / 9, 2 / 9, 0], PROBS),  # smallest set reaching 0.75
+        ({"top_p": 0.35}, [1.0, 0, 0, 0], PROBS),
+        ({"min_p": 0.6}, [4 / 7, 3 / 7, 0, 0], PROBS),  # keep p >= 0.6 * max
+        ({"top_k": 3, "top_p": 0.5}, [4 / 7, 3 / 7, 0, 0], PROBS),
+        # vLLM's order: top-p over what top-k or min-p kept, renormalised (4/7 >= 0.5)
+        ({"top_k": 2, "top_p": 0.5}, [1.0, 0, 0, 0], PROBS),
+        ({"min_p": 0.6, "top_p": 0.5}, [1.0, 0, 0, 0], PROBS),
+        # a set that reaches top_p exactly is the set; tokens tied with the k-th all stay
+        ({"top_p": 0.5}, [1.0, 0, 0], torch.tensor([0.5, 0.25, 0.25])),
+        ({"top_k": 2}, [0.4, 0.2, 0.2, 0.2], torch.tensor([0.4, 0.2, 0.2, 0.2])),
     ],
 )
-def test_filtered_distribution_is_sampled_faithfully(params: dict, expected: list[float]) -> None:
-    freq = sample_many(PROBS, **params)
+def test_filtered_distribution_is_sampled_faithfully(
+    params: dict, expected: list[float], probs: torch.Tensor
+) -> None:
+    freq = sample_many(probs, **params)
     # 20000 draws: the standard error of a frequency is <= 0.0036, so 0.02 is > 5 sigma
     assert torch.allclose(freq, torch.tensor(expected), atol=0.02), freq.tolist()
     assert all(f == 0 for f, e in zip(freq.tolist(), expected, strict=True) if e == 0)

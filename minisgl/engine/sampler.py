@@ -173,21 +173,25 @@ class Sampler:
         return out
 
     def _sample_after_step(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:
+        """vLLM's order: temperature, min-p, top-k, then top-p over what is left."""
         probs = torch.softmax(logits.float() / args.temperatures[:, None], dim=-1)
-        if args.use_top_k_top_p:
-            probs = _top_k_top_p(probs, args.top_k, args.top_p)
         if args.use_min_p:
             threshold = args.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
+        if args.use_top_k_top_p:
+            probs = _top_k_top_p(probs, args.top_k, args.top_p)
         return inverse_cdf(probs, args.uniforms, logits.argmax(dim=-1))
 
 
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero every token outside the k most likely, and outside the smallest set whose mass
-    reaches top_p (the most likely token always stays)."""
+    """Zero every token less likely than the k-th most likely (tokens tied with it stay), then
+    every token whose more likely ones already hold top_p of the mass left: the smallest set
+    that reaches top_p (the most likely token always stays). As vLLM filters."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
-    mass_before = row_cumsum(sorted_probs) - sorted_probs
-    drop = (rank >= top_k[:, None]) | (mass_before > top_p[:, None])
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    kth = sorted_probs.gather(1, top_k[:, None] - 1)
+    sorted_probs = sorted_probs.masked_fill(sorted_probs < kth, 0.0)
+    cumsum = row_cumsum(sorted_probs)
+    reached = cumsum - sorted_probs >= top_p[:, None] * cumsum[:, -1:]
+    # top_p 1 drops nothing: the rounding of a long sum must not drop the least likely tokens
+    sorted_probs = sorted_probs.masked_fill(reached & (top_p[:, None] < 1), 0.0)
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
