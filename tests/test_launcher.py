@@ -58,6 +58,10 @@ def _model_dir(tmp_path: Path, weights: bool = True, tokenizer: bool = True, **c
         (["--device", "cpu", "--max-model-len", "4096"], "exceeds the model's 2048 positions"),
         (["--device", "cpu", "--model", "/nonexistent"], "not a model directory"),
         (["--tp", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr HOST:PORT"),
+        (["--device", "cpu", "--shutdown-timeout", "inf"], "a finite number of seconds"),
+        (["--device", "cpu", "--request-timeout", "nan"], "a finite number of seconds"),
+        (["--device", "cpu", "--health-timeout", "0.3"], "--health-timeout must be at least 1 s"),
+        (["--device", "cpu", "--chat-template", "/nonexistent/t.jinja"], "no readable file"),
     ],
 )
 def test_a_bad_setting_fails_before_any_child_starts_in_one_line(flags, message) -> None:
@@ -131,6 +135,7 @@ def test_the_api_key_comes_from_the_environment_too() -> None:
     assert parse_args([], environ).api_key == "from-env"
     assert parse_args(["--api-key", "given"], environ).api_key == "given"
     assert parse_args([], {}).api_key is None
+    assert parse_args([], {"MINISGL_API_KEY": ""}).api_key is None  # set empty: no key
 
 
 def test_vllm_flags_reach_the_server(tmp_path: Path) -> None:

@@ -5,12 +5,15 @@ import json
 import os
 import shutil
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import httpx
 import pexpect
 import pytest
 
+from minisgl.server.shell import ReplyError, stream_reply
 from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .server_process import free_port
@@ -104,3 +107,34 @@ def test_shell_exits_on_ctrl_d(shell) -> None:
     assert child.exitstatus == 0
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health")
+
+
+class _ErrorAfterOnePiece(BaseHTTPRequestHandler):
+    """Streams one piece of a reply, then the error event a server sends when a request times
+    out (a chunk without choices), then [DONE]."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        piece = {"choices": [{"index": 0, "delta": {"content": "Once"}}]}
+        error = {"error": {"message": "past --request-timeout", "code": "request_timeout"}}
+        for event in (piece, error):
+            self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+
+def test_an_error_event_ends_the_reply_with_its_message() -> None:
+    server = HTTPServer(("127.0.0.1", 0), _ErrorAfterOnePiece)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    chunks = []
+    with pytest.raises(ReplyError, match="past --request-timeout"):
+        for chunk in stream_reply(url, "m", None, [{"role": "user", "content": "hi"}]):
+            chunks.append(chunk)
+    assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["Once"]
+    server.shutdown()

@@ -1,3 +1,4 @@
+import math
 from dataclasses import dataclass, field
 
 from minisgl.config import EngineConfig, SchedulerConfig
@@ -8,6 +9,8 @@ from .tool_parser import TOOL_PARSERS
 
 # sglang-router's policies that need nothing more from a worker than minisgl serves
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random")
+# the scheduler's heartbeat and idle loop come every 0.5 s: a shorter limit fails a healthy server
+MIN_HEALTH_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,13 @@ class ServerArgs:
         timeouts = [self.shutdown_timeout, self.health_timeout, self.timeout_keep_alive]
         if self.request_timeout is not None:
             timeouts.append(self.request_timeout)
-        if not all(t > 0 for t in timeouts):
-            raise ValueError("timeouts must be > 0 seconds")
+        if not all(0 < t < math.inf for t in timeouts):
+            raise ValueError("timeouts must be a finite number of seconds > 0")
+        if self.health_timeout < MIN_HEALTH_TIMEOUT_S:
+            raise ValueError(
+                f"--health-timeout must be at least {MIN_HEALTH_TIMEOUT_S:g} s: the scheduler "
+                "reports every 0.5 s"
+            )
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, not {self.dp_size}")
         for flag, name, known in [

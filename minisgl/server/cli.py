@@ -182,13 +182,19 @@ def parse_args(
     model = ns["model_path"] or ns["model"]
     path = resolve_model_path(model)
     chat_template = ns["chat_template"]
-    if chat_template is not None and Path(chat_template).is_file():
-        chat_template = Path(chat_template).read_text()
+    # as vLLM reads it: text with none of Jinja's characters names a file, which must open
+    if chat_template is not None and not any(c in chat_template for c in "{}\n"):
+        try:
+            chat_template = Path(chat_template).read_text()
+        except OSError as e:
+            raise ValueError(
+                f"--chat-template {chat_template!r} is no readable file: {e}"
+            ) from None
     return ServerArgs(
         engine=EngineConfig(model_path=path, **_given(ns, EngineConfig)),
         scheduler=SchedulerConfig(**_given(ns, SchedulerConfig)),
         served_model_name=ns["served_model_name"] or model or path.name,
-        api_key=ns["api_key"] or environ.get(API_KEY_ENV),
+        api_key=ns["api_key"] or environ.get(API_KEY_ENV) or None,  # empty: no key, as vLLM
         chat_template=chat_template,
         limits=RequestLimits(**_given(ns, RequestLimits)),
         **_given(ns, ServerArgs),

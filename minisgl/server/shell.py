@@ -19,7 +19,7 @@ REPLY_MAX_TOKENS = 256
 _COMMANDS = ("/reset", "/exit")
 
 
-def _stream_reply(
+def stream_reply(
     url: str, model: str, api_key: str | None, messages: list[dict[str, str]]
 ) -> Iterator[dict[str, Any]]:
     """The reply's chunks, as the server streams them; the last one has the usage."""
@@ -40,7 +40,14 @@ def _stream_reply(
         for line in response:
             data = line.decode().removeprefix("data: ").strip()
             if data and data != "[DONE]":
-                yield json.loads(data)
+                chunk = json.loads(data)
+                if "error" in chunk:  # the server's error event, after the reply began
+                    raise ReplyError(chunk["error"]["message"])
+                yield chunk
+
+
+class ReplyError(Exception):
+    """The server ended a reply with an error (a timeout, a shutdown)."""
 
 
 def _error_message(e: urllib.error.HTTPError) -> str:
@@ -75,7 +82,7 @@ def run_shell(url: str, model: str, api_key: str | None) -> None:
         turn = [*history, {"role": "user", "content": line}]
         reply, start = "", time.monotonic()
         try:
-            for chunk in _stream_reply(url, model, api_key, turn):
+            for chunk in stream_reply(url, model, api_key, turn):
                 for choice in chunk["choices"]:
                     piece = choice["delta"].get("content") or ""
                     reply += piece
@@ -88,5 +95,8 @@ def run_shell(url: str, model: str, api_key: str | None) -> None:
             continue
         except urllib.error.HTTPError as e:
             print(f"error: {_error_message(e)} (/reset starts a new conversation)")
+            continue
+        except ReplyError as e:
+            print(f"\nerror: {e} (/reset starts a new conversation)")
             continue
         history = [*turn, {"role": "assistant", "content": reply}]
