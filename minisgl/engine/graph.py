@@ -16,7 +16,7 @@ import torch
 
 from minisgl.core import Batch, BatchInputs, EngineLayout
 from minisgl.utils import init_logger
-from minisgl.utils.torch_utils import copy_to_device
+from minisgl.utils.torch_utils import ALIGN_BYTES, copy_to_device
 
 logger = init_logger(__name__)
 
@@ -35,7 +35,7 @@ _ROWS = tuple(
     if f.name not in ("cu_seqlens_q", "last_indices", "token_write_entries", "token_write_values")
 )
 _PAGE_WRITES = ("page_write_entries", "page_write_values")
-_ALIGN = 4  # int32 entries: each row starts 16-byte aligned, as pack_to_device's columns
+_ALIGN = ALIGN_BYTES // 4  # int32 entries: each row starts aligned, as pack_to_device's columns
 
 
 def _row_spans(bs: int, page_size: int) -> dict[str, slice]:

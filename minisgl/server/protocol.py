@@ -115,14 +115,15 @@ class StructuredOutputs(_Strict):
     grammar: str | None = None
 
 
-# the request fields that are SamplingParams' fields of the same name and meaning
 def _structured_output(kind: str, value: Any) -> StructuredOutput:
+    """StructuredOutput(kind=value); what it refuses is a 400."""
     try:
         return StructuredOutput(**{kind: value})
     except ValueError as e:
         raise ApiError(400, str(e)) from None
 
 
+# the request fields that are SamplingParams' fields of the same name and meaning
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",

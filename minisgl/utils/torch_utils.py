@@ -56,6 +56,7 @@ def copy_to_device(host: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(host, non_blocking=True)
 
 
+ALIGN_BYTES = 16  # where packed device columns start (see pack_to_device)
 _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 
@@ -94,7 +95,7 @@ def pack_to_device(
 
     Each view starts 16-byte aligned: Triton compiles a kernel variant per pointer alignment, so
     unaligned views would make new batch sizes compile new variants while serving."""
-    align = 16 // dtype.itemsize
+    align = ALIGN_BYTES // dtype.itemsize
     views, end = {}, 0
     for name, values in columns.items():
         views[name] = slice(end, end + len(values))
