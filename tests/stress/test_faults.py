@@ -8,7 +8,7 @@ import random
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import httpx
 import pytest
@@ -207,27 +207,36 @@ def test_tiny_kv_pool_preempts_and_every_request_finishes_unchanged(start_server
 # ------------------------------------------------------------------------ a full queue
 def test_request_beyond_max_queued_is_a_429_with_retry_after(start_server) -> None:
     """A full queue is a 429 that clients retry; a request whose sequences could never fit the
-    queue is a 400, idle server or not."""
-    server = start_server(
-        "--max-running-requests", "1", "--max-queued-requests", "2", "--max-kv-tokens", "4096"
-    )
+    queue is a 400, idle server or not. The scheduler is stopped meanwhile, so that no request
+    gets its first token whatever the machine's speed (a 2,000-token request holding the one
+    running slot ended before two more were queued on a loaded CI machine)."""
+    server = start_server("--max-queued-requests", "2", "--max-kv-tokens", "4096")
     before = server.metrics()
     never_fits = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once", "n": 3})
     assert "queue of 2" in assert_openai_error(never_fits, 400)["message"]
-    holder = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 2000))
-    holder.read_until(_has_an_event)  # running
-    with ThreadPoolExecutor(2) as pool:
-        queued = [
-            pool.submit(read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, p, 8))
-            for p in ("The dog", "The cat")
-        ]
-        wait_for_metrics(server, lambda m: m[QUEUED] == 2)
-        response = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once"})
-        assert_openai_error(response, 429)
-        assert int(response.headers["Retry-After"]) >= 0
-        holder.leave()  # the queue moves on
-        for q in queued:
-            _assert_complete(q.result(), 8)
+    scheduler = child(server, "scheduler-0")
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            streams = [
+                pool.submit(read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, p, 8))
+                for p in ("The dog", "The cat", "The bird")
+            ]
+            # the one that came third, whichever it was, is refused at once
+            refused, waiting = wait(streams, timeout=30, return_when=FIRST_COMPLETED)
+            assert len(refused) == 1
+            third = refused.pop().result()
+            assert (
+                third.status == 429 and "try again" in check_error_body(third.events[0])["message"]
+            )
+            response = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once"})
+            assert_openai_error(response, 429)
+            assert int(response.headers["Retry-After"]) >= 0
+            os.kill(scheduler, signal.SIGCONT)  # the queue moves on
+            for stream in waiting:
+                _assert_complete(stream.result(), 8)
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
     assert_clean(server, before)
     server.stop()
 
