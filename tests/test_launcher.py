@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from minisgl.server.cli import parse_args
+from minisgl.server.launch import _base_url
 from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import TOKENIZER_FILES
@@ -62,6 +63,7 @@ def _model_dir(tmp_path: Path, weights: bool = True, tokenizer: bool = True, **c
         (["--device", "cpu", "--request-timeout", "nan"], "a finite number of seconds"),
         (["--device", "cpu", "--health-timeout", "0.3"], "--health-timeout must be at least 1 s"),
         (["--device", "cpu", "--chat-template", "/nonexistent/t.jinja"], "no readable file"),
+        (["--device", "cpu", "--tp", "3"], "--tp 3 must divide the model's attention heads (8)"),
     ],
 )
 def test_a_bad_setting_fails_before_any_child_starts_in_one_line(flags, message) -> None:
@@ -128,6 +130,20 @@ def test_version_and_serve_model_as_in_vllm() -> None:
     args = parse_args(["serve", str(DEFAULT_MODEL_PATH), "--seed", "7"])
     assert args.engine.model_path == DEFAULT_MODEL_PATH and args.scheduler.seed == 7
     assert parse_args([str(DEFAULT_MODEL_PATH)]).engine.model_path == DEFAULT_MODEL_PATH
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("0.0.0.0", "http://127.0.0.1:8000"),
+        ("::", "http://[::1]:8000"),
+        ("::1", "http://[::1]:8000"),
+        ("fe80::1", "http://[fe80::1]:8000"),
+        ("example.org", "http://example.org:8000"),
+    ],
+)
+def test_the_url_the_launcher_prints_and_polls_brackets_ipv6_hosts(host: str, url: str) -> None:
+    assert _base_url(parse_args(["--host", host, "--port", "8000"])) == url
 
 
 def test_the_api_key_comes_from_the_environment_too() -> None:

@@ -1,7 +1,11 @@
 """The op layer (chapter 2): BaseOP's naming and loading rules, and the reference ops against HF."""
 
+import re
+from dataclasses import replace
+
 import pytest
 import torch
+import transformers
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
@@ -211,3 +215,50 @@ def test_silu_and_mul_matches_the_unmerged_mlp() -> None:
     gate, up = torch.randn(3, 8), torch.randn(3, 8)
     want = torch.nn.functional.silu(gate) * up
     assert torch.equal(torch_ops.silu_and_mul(torch.cat([gate, up], dim=-1)), want)
+
+
+MOE_SHAPE = transformers.Qwen3MoeConfig(
+    num_hidden_layers=2, hidden_size=16, num_attention_heads=8, num_key_value_heads=2,
+    intermediate_size=20, moe_intermediate_size=10, num_experts=4, num_experts_per_tok=2,
+    mlp_only_layers=[0], architectures=["Qwen3MoeForCausalLM"],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tp", "refusal"),
+    [
+        (2, None),
+        (3, "--tp 3 must divide the model's attention heads (8)"),
+        (4, "--tp 4 must divide the model's expert intermediate size (10)"),
+        (8, "--tp 8 must divide the model's MLP intermediate size (20)"),
+    ],
+)
+def test_a_tp_size_is_refused_before_the_build_exactly_when_the_build_would_fail(
+    tp: int, refusal: str | None
+) -> None:
+    """The heads, the KV heads (shared by ranks past their number) and each MLP split evenly."""
+    config = ModelConfig.from_hf(MOE_SHAPE)
+    set_tp_info(0, tp)
+    with torch.device("meta"):
+        if refusal is None:
+            config.check_tp(tp)
+            CausalLM(config, TorchMoE(), torch.device("cpu"))
+            return
+        with pytest.raises(ConfigError, match=re.escape(refusal)):
+            config.check_tp(tp)
+        with pytest.raises(ConfigError):
+            CausalLM(config, TorchMoE(), torch.device("cpu"))
+
+
+def test_ranks_past_the_kv_heads_share_them_only_in_whole_groups() -> None:
+    dense = replace(ModelConfig.from_hf(MOE_SHAPE), moe=None, intermediate_size=24)
+    config = replace(dense, num_qo_heads=12, num_kv_heads=3)
+    config.check_tp(6)  # two ranks share each KV head
+    set_tp_info(0, 6)
+    with torch.device("meta"):
+        CausalLM(config, TorchMoE(), torch.device("cpu"))
+    with pytest.raises(ConfigError, match=re.escape("--tp 4 must divide the model's 3 KV heads")):
+        config.check_tp(4)
+    set_tp_info(0, 4)
+    with torch.device("meta"), pytest.raises(ConfigError):
+        CausalLM(config, TorchMoE(), torch.device("cpu"))

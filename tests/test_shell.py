@@ -4,8 +4,10 @@
 import json
 import os
 import shutil
+import signal
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import pytest
 from minisgl.server.shell import ReplyError, stream_reply
 from minisgl.utils import DEFAULT_MODEL_PATH
 
-from .server_process import free_port
+from .server_process import children, free_port, process_name
 
 START_TIMEOUT_S = 180
 CHAT_TEMPLATE = (
@@ -45,29 +47,25 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def shell(chat_model: Path):
-    port = free_port()
-    model = str(chat_model)
+def _spawn_shell(model: Path, port: int) -> pexpect.spawn:
+    """`minisgl --shell` at its first prompt."""
     child = pexpect.spawn(
         sys.executable,
-        [
-            "-m",
-            "minisgl",
-            "--model",
-            model,
-            "--shell",
-            "--port",
-            str(port),
-            "--max-kv-tokens",
-            "4096",
-        ],
+        ["-m", "minisgl", "--model", str(model), "--shell", "--port", str(port),
+         "--max-kv-tokens", "4096"],
         env={**os.environ, "PROMPT_TOOLKIT_NO_CPR": "1"},  # the pty cannot answer cursor queries
         encoding="utf-8",
         timeout=60,
         dimensions=(40, 200),
-    )
+    )  # fmt: skip
     child.expect_exact(PROMPT, timeout=START_TIMEOUT_S)
+    return child
+
+
+@pytest.fixture(scope="module")
+def shell(chat_model: Path):
+    port = free_port()
+    child = _spawn_shell(chat_model, port)
     yield child, f"http://127.0.0.1:{port}"
     if child.isalive():
         child.terminate(force=True)
@@ -138,3 +136,27 @@ def test_an_error_event_ends_the_reply_with_its_message() -> None:
             chunks.append(chunk)
     assert [c["choices"][0]["delta"]["content"] for c in chunks] == ["Once"]
     server.shutdown()
+
+
+def test_a_reply_whose_scheduler_dies_ends_with_an_error_and_the_next_line_exits(
+    chat_model: Path,
+) -> None:
+    """The reply waits on a stopped scheduler, which is then killed: the reply ends with the
+    server's error at once, and the shell, told at the next line, exits with the launcher's 1."""
+    child = _spawn_shell(chat_model, free_port())
+    try:
+        (scheduler,) = [p for p in children(child.pid) if process_name(p) == "scheduler-0"]
+        os.kill(scheduler, signal.SIGSTOP)
+        child.sendline("hello")
+        time.sleep(1)  # for the request to reach the API server (else it was shut, and says so)
+        os.kill(scheduler, signal.SIGKILL)
+        child.expect(r"error: (the engine stopped|the server is shutting down|no answer from)")
+        child.expect_exact(PROMPT)
+        child.sendline("hello again")
+        child.expect_exact("a process exited: scheduler-0 (exit code -9)")
+        child.expect(pexpect.EOF, timeout=30)
+        child.close()
+        assert child.exitstatus == 1
+    finally:
+        if child.isalive():
+            child.terminate(force=True)

@@ -57,6 +57,23 @@ class ModelConfig:
     qk_norm: bool
     moe: MoEConfig | None  # None: every layer dense
 
+    def check_tp(self, tp_size: int) -> None:
+        """Raise ConfigError unless `tp_size` ranks can split this model: each takes an equal
+        share of the attention heads, of the KV heads (or shares one), and of every MLP."""
+        shares = {"attention heads": self.num_qo_heads}
+        if self.moe is None or len(self.moe.layers) < self.num_layers:
+            shares["MLP intermediate size"] = self.intermediate_size
+        if self.moe is not None:
+            shares["expert intermediate size"] = self.moe.intermediate_size
+        for what, size in shares.items():
+            if size % tp_size:
+                raise ConfigError(f"--tp {tp_size} must divide the model's {what} ({size})")
+        kv = self.num_kv_heads
+        if kv % tp_size if kv >= tp_size else tp_size % kv:
+            raise ConfigError(
+                f"--tp {tp_size} must divide the model's {kv} KV heads or be a multiple of them"
+            )
+
     @classmethod
     def from_hf(cls, config: PretrainedConfig) -> "ModelConfig":
         archs = list(getattr(config, "architectures", None) or [])

@@ -2,7 +2,8 @@
 requests and answers in OpenAI's shapes. It holds no tokenizer and no model.
 
 On SIGTERM it drains: new completions get 503, running ones may finish within --shutdown-timeout,
-then each is answered with a 503 (a stream: an error event) and the process exits."""
+then each is answered with a 503 (a stream: an error event) and the process exits. On SIGUSR1
+(another process of the server died) it answers them so at once."""
 
 import asyncio
 import importlib.metadata
@@ -53,16 +54,22 @@ def _error_response(e: ApiError) -> Response:
 def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None]) -> FastAPI:
     """The app; on SIGTERM it drains, then calls `exit` (which stops the HTTP server)."""
 
-    async def drain() -> None:
-        await client.wait_idle(args.shutdown_timeout)
+    async def drain(timeout: float) -> None:
+        await client.wait_idle(timeout)
         client.interrupt_all("the server is shutting down")
         await asyncio.sleep(0.1)  # the handlers answer their requests
         exit()
 
-    def on_sigterm() -> None:
-        if not client.draining:  # a second SIGTERM changes nothing
+    def start_draining(timeout: float) -> None:
+        if not client.draining:  # a second signal changes nothing
             client.draining = True
-            drains.append(asyncio.get_running_loop().create_task(drain()))
+            drains.append(asyncio.get_running_loop().create_task(drain(timeout)))
+
+    def on_engine_lost() -> None:
+        """SIGUSR1, from the launcher: a process of this server exited, and no open request
+        can finish (a drain under way ends too)."""
+        client.interrupt_all("the engine stopped: a server process exited")
+        start_draining(0)
 
     drains: list[asyncio.Task[None]] = []  # held: a task nobody holds may be collected
 
@@ -73,7 +80,8 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         # installed after uvicorn's own handlers (the lifespan starts inside uvicorn's serve):
         # SIGTERM, from the launcher, drains instead of stopping at once; a terminal's Ctrl-C
         # reaches the launcher too, which stops the processes in order
-        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        loop.add_signal_handler(signal.SIGTERM, start_draining, args.shutdown_timeout)
+        loop.add_signal_handler(signal.SIGUSR1, on_engine_lost)
         loop.add_signal_handler(signal.SIGINT, lambda: None)
         yield
         listener.cancel()

@@ -29,6 +29,7 @@ import resource
 import signal
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -75,8 +76,8 @@ def _free_ports(n: int) -> list[int]:
 
 def _base_url(args: ServerArgs) -> str:
     """Where this machine reaches the server."""
-    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(args.host, args.host)
-    return f"http://{host}:{args.port}"
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
+    return f"http://[{host}]:{args.port}" if ":" in host else f"http://{host}:{args.port}"
 
 
 def _node_ranks(args: ServerArgs) -> range:
@@ -224,6 +225,26 @@ def _stop(procs: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S, kill: bool
             proc.join()
 
 
+def _answer_open_requests(procs: list[BaseProcess]) -> None:
+    """A server that lost a process can finish none of its open requests: its API server
+    answers each with a 503 at once (SIGUSR1)."""
+    for proc in procs:
+        if proc.name.endswith("api-server") and proc.is_alive():
+            os.kill(proc.pid, signal.SIGUSR1)
+
+
+def _stop_broken(procs: list[BaseProcess]) -> None:
+    """Stop a server that lost a process, without the drain a SIGTERM starts."""
+    _answer_open_requests(procs)
+    _stop(procs)
+
+
+def _answer_once_one_exits(procs: list[BaseProcess]) -> None:
+    """The shell's watcher: a reply under way when a process exits gets its error at once."""
+    multiprocessing.connection.wait([p.sentinel for p in procs])
+    _answer_open_requests(procs)
+
+
 def launch(args: ServerArgs) -> int:
     """Run the server (or the shell) until stopped; returns the process exit code. Takes over
     the process's signals: the last thing a process should do."""
@@ -238,7 +259,7 @@ def launch(args: ServerArgs) -> int:
     servers: list[list[BaseProcess]] = []  # the server's processes; with --dp, each replica's
     router: list[BaseProcess] = []  # with --dp
     url = _base_url(args)
-    stopping = False
+    stopping = broken = False
     start = time.monotonic()
     try:
         if args.dp_size == 1:
@@ -255,16 +276,21 @@ def launch(args: ServerArgs) -> int:
                 f"front of replicas at {', '.join(replica_urls)}"
             )
         if args.shell:
-            run_shell(url, args.served_model_name, args.api_key)
+            procs = [*_flat(servers), *router]
+            threading.Thread(target=_answer_once_one_exits, args=(procs,), daemon=True).start()
+            run_shell(url, args.served_model_name, args.api_key, lambda: _dead(procs))
             return 0
         ready = time.monotonic() - start
         _say(f"serving {args.served_model_name} at {url}/v1{behind} (ready in {ready:.1f} s)")
-        return _serve(servers, router, lambda i: _take_out(url, replica_urls[i], args.api_key))
+        _serve(servers, router, lambda i: _take_out(url, replica_urls[i], args.api_key))
+        broken = True
+        return 1
     except (KeyboardInterrupt, _Stop):
         stopping = True
         return 0
-    except RuntimeError as e:
+    except RuntimeError as e:  # a process exited during start-up or under the shell
         _say(str(e))
+        broken = True
         return 1
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -273,12 +299,12 @@ def launch(args: ServerArgs) -> int:
         if stopping:  # the API servers and the router drain on SIGTERM: they answer what they have
             fronts = [p for p in procs if p.name.endswith("api-server") or p.name == "router"]
             _stop(fronts, args.shutdown_timeout + _STOP_TIMEOUT_S, kill=False)
-        _stop(procs)
+        (_stop_broken if broken else _stop)(procs)
 
 
 def _serve(
     servers: list[list[BaseProcess]], router: list[BaseProcess], lost: Callable[[int], None]
-) -> int:
+) -> None:
     """Until a process exits; with the router, until it exits or the last replica has. A replica
     that loses a process is stopped whole, then `lost(its index)`."""
     live = dict(enumerate(servers))
@@ -286,11 +312,10 @@ def _serve(
         multiprocessing.connection.wait([p.sentinel for p in [*router, *_flat(live.values())]])
         if not router or _dead(router):
             _say(f"a process exited: {', '.join(_dead([*router, *_flat(live.values())]))}")
-            return 1
+            return
         for i, procs in list(live.items()):
             if dead := _dead(procs):
-                _stop(procs, timeout=0)  # what is left of it cannot serve
+                _stop_broken(procs)
                 del live[i]
                 lost(i)
                 _say(f"replica {i} stopped ({', '.join(dead)}); {len(live)} left")
-    return 1

@@ -60,6 +60,7 @@ def _check_model(args: ServerArgs) -> None:
         config = ModelConfig.from_hf(cached_load_hf_config(path))
     except (OSError, KeyError) as e:
         raise ValueError(f"{path}/config.json cannot be read: {e}") from None
+    config.check_tp(engine.tp_size)
     seq_len = max_seq_len(engine, config.max_position_embeddings)
     if engine.max_kv_tokens is not None:
         pages = kv_pages(engine.max_kv_tokens, engine.page_size)

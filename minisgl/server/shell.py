@@ -4,11 +4,12 @@ The shell keeps the conversation and sends all of it each turn, streaming the re
 /reset forgets the conversation; /exit or Ctrl-D leaves; Ctrl-C stops a reply early.
 """
 
+import http.client
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prompt_toolkit import PromptSession
@@ -57,8 +58,9 @@ def _error_message(e: urllib.error.HTTPError) -> str:
         return str(e)
 
 
-def run_shell(url: str, model: str, api_key: str | None) -> None:
-    """The REPL; returns on /exit or Ctrl-D."""
+def run_shell(url: str, model: str, api_key: str | None, exited: Callable[[], list[str]]) -> None:
+    """The REPL; returns on /exit or Ctrl-D, and raises RuntimeError at the next line typed
+    once `exited()` names a server process that has exited."""
     session: PromptSession[str] = PromptSession(completer=WordCompleter(list(_COMMANDS)))
     history: list[dict[str, str]] = []
     print(
@@ -79,6 +81,8 @@ def run_shell(url: str, model: str, api_key: str | None) -> None:
             continue
         if not line:
             continue
+        if dead := exited():
+            raise RuntimeError(f"a process exited: {', '.join(dead)}")
         turn = [*history, {"role": "user", "content": line}]
         reply, start = "", time.monotonic()
         try:
@@ -98,5 +102,8 @@ def run_shell(url: str, model: str, api_key: str | None) -> None:
             continue
         except ReplyError as e:
             print(f"\nerror: {e} (/reset starts a new conversation)")
+            continue
+        except (OSError, http.client.HTTPException) as e:  # the API server is gone
+            print(f"\nerror: no answer from the server ({e})")
             continue
         history = [*turn, {"role": "assistant", "content": reply}]
