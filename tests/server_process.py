@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -19,6 +19,9 @@ import openai
 from .conftest import DEVICE
 
 START_TIMEOUT_S = 180
+# a client that leaves while the scheduler is stopped (`scheduler_stopped`): time for its abort to
+# reach the scheduler's inbox through the API server and the tokenizer, which run on
+ABORT_ARRIVES_S = 2
 
 
 def free_port() -> int:
@@ -156,6 +159,40 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         return read_metrics(self.url, self.headers)
+
+    def child(self, comm: str) -> int:
+        """The pid of the child process named `comm` (as /proc/<pid>/comm has it)."""
+        names = {}
+        for pid in self.children:
+            try:
+                names[process_name(pid)] = pid
+            except OSError:
+                continue
+        assert comm in names and alive(names[comm]), f"no child named {comm!r}: {sorted(names)}"
+        return names[comm]
+
+    @contextlib.contextmanager
+    def scheduler_stopped(
+        self, until: Callable[[dict[str, float]], bool] = lambda m: True, timeout: float = 30
+    ) -> Iterator[dict[str, float]]:
+        """The block runs with the scheduler (rank 0) stopped by SIGSTOP, from the first moment
+        its /metrics meet `until` (those metrics are yielded): no request moves however slow the
+        machine, and what is sent to the scheduler meanwhile waits in its inbox."""
+        pid = self.child("scheduler-0")
+        deadline = time.monotonic() + timeout
+        while True:
+            os.kill(pid, signal.SIGSTOP)
+            metrics = self.metrics()
+            if until(metrics):
+                break
+            os.kill(pid, signal.SIGCONT)
+            assert time.monotonic() < deadline, "metrics never met the condition"
+            time.sleep(0.1)
+        try:
+            yield metrics
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the block may kill it
+                os.kill(pid, signal.SIGCONT)
 
     def ipc_files(self) -> list[Path]:
         return sorted(self.tmpdir.glob("minisgl-*"))

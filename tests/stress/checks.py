@@ -1,12 +1,12 @@
 """What every stress scenario checks: answers in OpenAI's error shape, metric deltas, the clean
-state a scenario that the server survives must leave, and the server's children by name."""
+state a scenario that the server survives must leave."""
 
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
-from ..server_process import ServerProcess, alive, process_name, wait_for
+from ..server_process import ServerProcess, wait_for
 
 MODEL = "stories"  # the name every stress server serves the embedded stories260K model under
 RUNNING = "minisgl_running_requests"
@@ -91,15 +91,3 @@ def assert_clean(server: ServerProcess, before: Metrics, model: str | None = MOD
         lambda m: m[RUNNING] == m[QUEUED] == m[REQUEST_PAGES] == 0 and m[CHECKS] > before[CHECKS],
     )
     assert m[FAILURES] == 0
-
-
-def child(server: ServerProcess, comm: str) -> int:
-    """The pid of the server's child process named `comm` (as /proc/<pid>/comm has it)."""
-    names = {}
-    for pid in server.children:
-        try:
-            names[process_name(pid)] = pid
-        except OSError:
-            continue
-    assert comm in names and alive(names[comm]), f"no child named {comm!r}: {sorted(names)}"
-    return names[comm]

@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 import httpx
 import pytest
 
-from ..server_process import ServerProcess, wait_for
+from ..server_process import ABORT_ARRIVES_S, ServerProcess, wait_for
 from .checks import (
     FIRST_TOKENS,
     GENERATED,
@@ -24,7 +24,6 @@ from .checks import (
     assert_clean,
     assert_openai_error,
     check_error_body,
-    child,
     delta,
     ended,
     finished,
@@ -136,8 +135,9 @@ def test_client_leaving_while_queued_is_aborted_before_it_runs(one_at_a_time) ->
     holder = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 2000))
     holder.read_until(_has_an_event)  # running
     victim = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, "Once upon", 100))
-    wait_for_metrics(server, lambda m: m[QUEUED] == 1)
-    victim.leave()
+    with server.scheduler_stopped(until=lambda m: m[QUEUED] == 1):
+        victim.leave()
+        time.sleep(ABORT_ARRIVES_S)
     m = wait_for_metrics(server, lambda m: ended(before, m) >= 1)
     assert delta(before, m, finished("abort")) == 1  # the victim's, the holder still runs
     holder.leave()
@@ -151,9 +151,10 @@ def test_client_leaving_while_its_prompt_is_prefilled_is_aborted(one_at_a_time) 
     before = server.metrics()
     prompt = _random_ids(random.Random(time.time_ns()), 1900)  # 1900 steps of one token
     victim = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, prompt, 100))
-    wait_for_metrics(server, lambda m: m[RUNNING] == 1)
-    assert not victim.answered()  # no token yet: the prompt is being prefilled
-    victim.leave()
+    with server.scheduler_stopped(until=lambda m: m[RUNNING] == 1):
+        assert not victim.answered()  # no token yet: the prompt is being prefilled
+        victim.leave()
+        time.sleep(ABORT_ARRIVES_S)
     m = wait_for_metrics(server, lambda m: ended(before, m) >= 1)
     assert delta(before, m, finished("abort")) == 1
     assert delta(before, m, GENERATED) == 0
@@ -163,26 +164,24 @@ def test_client_leaving_while_its_prompt_is_prefilled_is_aborted(one_at_a_time) 
 def test_client_leaving_while_decoding_is_aborted(one_at_a_time) -> None:
     server = one_at_a_time.get()
     before = server.metrics()
-    victim = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 1000))
+    victim = RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 2000))
     victim.read_until(lambda received: received.count(b"data: ") >= 5)
-    victim.leave()
+    with server.scheduler_stopped():
+        victim.leave()
+        time.sleep(ABORT_ARRIVES_S)
     m = wait_for_metrics(server, lambda m: ended(before, m) >= 1)
     assert delta(before, m, finished("abort")) == 1
-    assert delta(before, m, GENERATED) < 1000
+    assert delta(before, m, GENERATED) < 2000
     assert_clean(server, before)
 
 
 # ------------------------------------------------------------------------ a tiny KV pool
 def _greedy_together(server: ServerProcess, prompts: list[str], max_tokens: int) -> list[dict]:
+    """The prompts' choices, sent as one request: they reach the scheduler together."""
     body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-
-    async def together() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-            return await asyncio.gather(
-                *(client.post(COMPLETIONS, json={**body, "prompt": p}) for p in prompts)
-            )
-
-    return [r.json() for r in asyncio.run(together())]
+    response = server.post(COMPLETIONS, json={**body, "prompt": prompts}, timeout=300)
+    assert response.status_code == 200, response.text
+    return sorted(response.json()["choices"], key=lambda c: c["index"])
 
 
 def test_tiny_kv_pool_preempts_and_every_request_finishes_unchanged(start_server, size) -> None:
@@ -198,8 +197,7 @@ def test_tiny_kv_pool_preempts_and_every_request_finishes_unchanged(start_server
     crowded = _greedy_together(server, prompts, 500)
     assert delta(before, server.metrics(), PREEMPTIONS) > 0
     for want, got in zip(unhurried, crowded, strict=True):
-        assert got["usage"]["completion_tokens"] == 500
-        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert got["finish_reason"] == "length" and got["text"] == want["text"]
     assert_clean(server, before)
     server.stop()
 
@@ -214,29 +212,21 @@ def test_request_beyond_max_queued_is_a_429_with_retry_after(start_server) -> No
     before = server.metrics()
     never_fits = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once", "n": 3})
     assert "queue of 2" in assert_openai_error(never_fits, 400)["message"]
-    scheduler = child(server, "scheduler-0")
-    os.kill(scheduler, signal.SIGSTOP)
-    try:
-        with ThreadPoolExecutor(3) as pool:
-            streams = [
-                pool.submit(read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, p, 8))
-                for p in ("The dog", "The cat", "The bird")
-            ]
-            # the one that came third, whichever it was, is refused at once
-            refused, waiting = wait(streams, timeout=30, return_when=FIRST_COMPLETED)
-            assert len(refused) == 1
-            third = refused.pop().result()
-            assert (
-                third.status == 429 and "try again" in check_error_body(third.events[0])["message"]
-            )
-            response = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once"})
-            assert_openai_error(response, 429)
-            assert int(response.headers["Retry-After"]) >= 0
-            os.kill(scheduler, signal.SIGCONT)  # the queue moves on
-            for stream in waiting:
-                _assert_complete(stream.result(), 8)
-    finally:
-        os.kill(scheduler, signal.SIGCONT)
+    with ThreadPoolExecutor(3) as pool, server.scheduler_stopped():
+        streams = [
+            pool.submit(read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, p, 8))
+            for p in ("The dog", "The cat", "The bird")
+        ]
+        # the one that came third, whichever it was, is refused at once
+        refused, waiting = wait(streams, timeout=30, return_when=FIRST_COMPLETED)
+        assert len(refused) == 1
+        third = refused.pop().result()
+        assert third.status == 429 and "try again" in check_error_body(third.events[0])["message"]
+        response = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once"})
+        assert_openai_error(response, 429)
+        assert int(response.headers["Retry-After"]) >= 0
+    for stream in waiting:  # the queue moves on
+        _assert_complete(stream.result(), 8)
     assert_clean(server, before)
     server.stop()
 
@@ -269,23 +259,17 @@ def test_request_past_its_timeout_is_a_400_that_nothing_retries_and_frees_its_pa
 
 
 # ------------------------------------------------------------------------ SIGTERM under load
-SHUTDOWN_TIMEOUT_S = 3
-# tokens of a request that must finish while the server drains: 40 did not within 3 s on 2
-# loaded cores (CI with another test run beside it)
-SHORT = 8
+SHUTDOWN_TIMEOUT_S = 10
 
 
 def test_sigterm_under_load_ends_every_request_and_exits_0(start_server, size) -> None:
-    # the reference attention's loop over requests makes each step of this load take ms, so the
-    # long requests outlast the drain however fast the machine (at 1.4 ms a step they did not)
-    server = start_server(
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--max-kv-tokens", "16384",
-        "--attention-backend", "torch",
-    )  # fmt: skip
+    """Running requests may finish within --shutdown-timeout; those that cannot (the scheduler
+    is stopped once the short ones have, whatever the machine's speed) get a 503."""
+    server = start_server("--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--max-kv-tokens", "16384")
     long_clients = size(8, 32)
     non_streamed = {"stream": False, "stream_options": None}
+    before = server.metrics()
     with ThreadPoolExecutor(2 * long_clients + 2) as pool:
-        # far more tokens than the shutdown timeout leaves time for
         long_streams = [
             pool.submit(read_stream, server, r, _stream_body(r, f"Once {i}", 1900))
             for i, r in enumerate([COMPLETIONS, CHAT] * (long_clients // 2))
@@ -294,51 +278,71 @@ def test_sigterm_under_load_ends_every_request_and_exits_0(start_server, size) -
             pool.submit(server.post, r, json={**_stream_body(r, f"A {i}", 1900), **non_streamed})
             for i, r in enumerate([COMPLETIONS, CHAT] * (long_clients // 2))
         ]
-        wait_for_metrics(server, lambda m: m[RUNNING] >= 2 * long_clients)
         started = [threading.Event() for _ in range(2)]
-        short = [
-            pool.submit(
-                read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, f"B {i}", SHORT), event
-            )
-            for i, event in enumerate(started)
-        ]
+
+        def every_long_one_runs(m: dict[str, float]) -> bool:
+            return delta(before, m, FIRST_TOKENS) >= 2 * long_clients
+
+        with server.scheduler_stopped(until=every_long_one_runs):
+            short = [
+                pool.submit(
+                    read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, f"B {i}", 8), event
+                )
+                for i, event in enumerate(started)
+            ]
         assert all(event.wait(60) for event in started)
         server.proc.send_signal(signal.SIGTERM)
-
-        def refusing() -> bool:
-            try:
-                return httpx.get(server.url + "/health", timeout=5).status_code == 503
-            except httpx.TransportError:
-                return True
-
-        wait_for(refusing, SHUTDOWN_TIMEOUT_S, "/health still answers 200")
-        try:
-            late = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once"}, timeout=10)
-            assert_openai_error(late, 503)
-        except httpx.TransportError:
-            pass  # the port is closed already
         for s in short:  # running requests may finish within the shutdown timeout
-            _assert_complete(s.result(), SHORT)
-        for s in (f.result() for f in long_streams):
-            assert s.status == 200 and s.done, s
-            check_error_body(s.events[-1])  # the last event before [DONE] is an error
-        for r in (f.result() for f in long_posts):
-            assert_openai_error(r, 503)
+            _assert_complete(s.result(), 8)
+        with server.scheduler_stopped():  # and those that cannot get an error
+
+            def refusing() -> bool:
+                try:
+                    return httpx.get(server.url + "/health", timeout=5).status_code == 503
+                except httpx.TransportError:
+                    return True
+
+            wait_for(refusing, SHUTDOWN_TIMEOUT_S, "/health still answers 200")
+            try:
+                late = server.post(COMPLETIONS, json={"model": MODEL, "prompt": "Once"}, timeout=10)
+                assert_openai_error(late, 503)
+            except httpx.TransportError:
+                pass  # the port is closed already
+            for s in (f.result() for f in long_streams):
+                assert s.status == 200 and s.done, s
+                check_error_body(s.events[-1])  # the last event before [DONE] is an error
+            for r in (f.result() for f in long_posts):
+                assert_openai_error(r, 503)
     assert server.wait_exit(timeout=SHUTDOWN_TIMEOUT_S + 20) == 0, server.log()
 
 
 # ------------------------------------------------------------------------ a killed scheduler
-def test_killed_scheduler_makes_the_launcher_exit_promptly(start_server) -> None:
-    server = start_server("--max-kv-tokens", "4096")
-    clients = [
-        RawRequest(server, COMPLETIONS, _stream_body(COMPLETIONS, f"Once {i}", 1900))
-        for i in range(4)
-    ]
-    for c in clients:
-        c.read_until(_has_an_event)  # running
-    os.kill(child(server, "scheduler-0"), signal.SIGKILL)
+def test_killed_scheduler_answers_every_open_request_with_a_503_and_exits_promptly(
+    start_server,
+) -> None:
+    """No open request can finish: each is answered at once (a stream: an error event, then
+    [DONE]), not after the drain a SIGTERM gets (--shutdown-timeout 60) or a closed socket."""
+    server = start_server("--max-kv-tokens", "4096", "--shutdown-timeout", "60")
+    before = server.metrics()
+    with ThreadPoolExecutor(4) as pool:
+        streams = [
+            pool.submit(
+                read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, f"Once {i}", 1900)
+            )
+            for i in range(3)
+        ]
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 1900, "ignore_eos": True}
+        post = pool.submit(server.post, COMPLETIONS, json=body)
+        # all four running
+        with server.scheduler_stopped(until=lambda m: delta(before, m, FIRST_TOKENS) == 4):
+            os.kill(server.child("scheduler-0"), signal.SIGKILL)
+        killed = time.monotonic()
+        for s in (f.result() for f in streams):
+            assert s.status == 200 and s.done, s
+            assert "the engine stopped" in check_error_body(s.events[-1])["message"]
+        assert "the engine stopped" in assert_openai_error(post.result(), 503)["message"]
     assert server.wait_exit(timeout=15) != 0  # no child and no ipc file left either
-    assert all(c.closed_by_server(timeout=10) for c in clients)  # not left hanging
+    assert time.monotonic() - killed < 30
 
 
 # ------------------------------------------------------------------------ a stopped scheduler
@@ -358,7 +362,7 @@ def test_stopped_scheduler_makes_health_503_until_it_resumes(start_server) -> No
         body = _stream_body(COMPLETIONS, "Once", 1900)
         stream = pool.submit(read_stream, server, COMPLETIONS, body, running)
         assert running.wait(30)
-        scheduler = child(server, "scheduler-0")
+        scheduler = server.child("scheduler-0")
         os.kill(scheduler, signal.SIGSTOP)
         try:
             wait_for(
