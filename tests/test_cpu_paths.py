@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from minisgl import LLM, SamplingParams
 from minisgl.attention.batched_backend import length_groups
 from minisgl.kernel import cpp, linear, onednn, torch_ops
+from minisgl.server.placement import placements
 from minisgl.utils.cpus import cgroup_cpu_limit, usable_cpus
 from minisgl.utils.host_memory import keep_freed_memory
 
@@ -188,3 +189,14 @@ def test_a_cgroup_quota_caps_the_threads(tmp_path: Path, files: dict[str, str], 
     assert cgroup_cpu_limit(tmp_path) == limit
     cores = len(os.sched_getaffinity(0))
     assert usable_cpus(tmp_path) == (cores if limit is None else min(cores, limit))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_dp_replicas_share_the_cores_the_cgroup_quota_allows(tmp_path: Path) -> None:
+    """A container limited to one core's time (--cpus 1) in a mask of more: one replica takes
+    one core of the mask, not all of them; two replicas without a quota split the mask."""
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    cores = sorted(os.sched_getaffinity(0))
+    assert placements(1, 1, tmp_path)[0].cpus == {cores[0]}
+    split = [p.cpus for p in placements(2, 1, tmp_path / "none")]
+    assert split[0].isdisjoint(split[1]) and len(split[0]) == len(split[1]) == len(cores) // 2

@@ -2,6 +2,9 @@
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
+
+from minisgl.utils.cpus import CGROUP, usable_cpus
 
 
 @dataclass(frozen=True)
@@ -18,15 +21,16 @@ class Placement:
         os.sched_setaffinity(0, self.cpus)
 
 
-def placements(dp_size: int, tp_size: int) -> list[Placement]:
-    """Replica i's: GPUs i*tp .. i*tp+tp-1 of those visible, and the i-th share of this process's
-    CPU cores (all of them, with fewer cores than replicas). Replicas sharing the cores would each
-    run a torch thread per core: more threads than cores, which then wait on each other at every
-    parallel section (on 2 cores, 10x slower requests)."""
+def placements(dp_size: int, tp_size: int, cgroup: Path = CGROUP) -> list[Placement]:
+    """Replica i's: GPUs i*tp .. i*tp+tp-1 of those visible, and the i-th of dp_size equal shares
+    of the cores this process may use (its mask, capped by the cgroup's quota), or the whole mask
+    with fewer such cores than replicas. Replicas sharing the cores would each run a torch thread
+    per core: more threads than cores, which then wait on each other at every parallel section
+    (on 2 cores, 10x slower requests)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(g) for g in range(dp_size * tp_size)]
     cpus = sorted(os.sched_getaffinity(0))
-    share = len(cpus) // dp_size
+    share = usable_cpus(cgroup) // dp_size
     return [
         Placement(
             ",".join(gpus[i * tp_size : (i + 1) * tp_size]),

@@ -7,10 +7,10 @@ import math
 import os
 from pathlib import Path
 
-_CGROUP = Path("/sys/fs/cgroup")
+CGROUP = Path("/sys/fs/cgroup")
 
 
-def cgroup_cpu_limit(root: Path = _CGROUP) -> int | None:
+def cgroup_cpu_limit(root: Path = CGROUP) -> int | None:
     """Cores of CPU time the cgroup allows (its quota over its period, rounded up), or None where
     no quota is set or readable. cgroup v2's cpu.max ("max 100000" or "QUOTA PERIOD"), else
     v1's cpu.cfs_quota_us (-1: none) and cpu.cfs_period_us."""
@@ -29,7 +29,7 @@ def cgroup_cpu_limit(root: Path = _CGROUP) -> int | None:
         return None
 
 
-def usable_cpus(root: Path = _CGROUP) -> int:
+def usable_cpus(root: Path = CGROUP) -> int:
     """The cores of the affinity mask, at most the cgroup's quota."""
     cores = len(os.sched_getaffinity(0))
     limit = cgroup_cpu_limit(root)
