@@ -100,11 +100,9 @@ def test_tp2_moe_greedy_tokens_equal_tp1(checkpoint, tmp_path_factory) -> None:
         assert_same_or_near_tie_by_logprob(choice, reference)
 
 
-def test_two_nodes_of_a_rank_each_give_tp1s_tokens(tmp_path: Path) -> None:
-    """Two launchers on loopback, as on two machines: node 0 serves the API with rank 0, node 1
-    runs rank 1 only, which gets its messages over TCP at --dist-init-addr (no ipc socket crosses
-    machines). When node 0 stops, node 1's launcher ends by itself, leaving nothing behind."""
-    want = LLM(**REFERENCE).generate(PROMPTS, GREEDY, use_tqdm=False)
+def _start_node1(tmp_path: Path) -> tuple[subprocess.Popen, tuple[str, ...]]:
+    """Node 1's launcher, started first (it waits for node 0), and the flags both nodes share:
+    two launchers on loopback, as on two machines, a rank each."""
     init = f"127.0.0.1:{free_port()}"
     nodes = (*SETTINGS, "--tp", "2", "--nnodes", "2", "--dist-init-addr", init)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
@@ -115,6 +113,15 @@ def test_two_nodes_of_a_rank_each_give_tp1s_tokens(tmp_path: Path) -> None:
             [sys.executable, "-m", "minisgl", *nodes, "--node-rank", "1"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )  # fmt: skip
+    return node1, nodes
+
+
+def test_two_nodes_of_a_rank_each_give_tp1s_tokens(tmp_path: Path) -> None:
+    """Node 0 serves the API with rank 0, node 1 runs rank 1 only, which gets its messages over
+    TCP at --dist-init-addr (no ipc socket crosses machines). When node 0 stops, node 1's
+    launcher ends by itself, leaving nothing behind."""
+    want = LLM(**REFERENCE).generate(PROMPTS, GREEDY, use_tqdm=False)
+    node1, nodes = _start_node1(tmp_path)
     node0 = None
     try:
         node0 = ServerProcess(tmp_path, *nodes, "--node-rank", "0")
@@ -129,6 +136,25 @@ def test_two_nodes_of_a_rank_each_give_tp1s_tokens(tmp_path: Path) -> None:
         assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()
         wait_for(lambda: not [pid for pid in node1_children if alive(pid)], 10, "children left")
     finally:  # what a failure left running
+        if node0 is not None:
+            node0.kill()
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait()
+
+
+def test_a_lost_node_ends_an_idle_server(tmp_path: Path) -> None:
+    """Node 1 killed outright (its machine lost) while no request runs: node 0 ends within
+    seconds, leaving nothing behind, instead of failing the next request."""
+    node1, nodes = _start_node1(tmp_path)
+    node0 = None
+    try:
+        node0 = ServerProcess(tmp_path, *nodes, "--node-rank", "0")
+        os.killpg(node1.pid, signal.SIGKILL)
+        node1.wait()
+        assert node0.wait_exit(timeout=15) == 1, node0.log()
+        assert "another TP rank is gone" in node0.log()
+    finally:
         if node0 is not None:
             node0.kill()
         if node1.poll() is None:

@@ -3,7 +3,9 @@ them and run the same step, so every rank adds and aborts the same requests in t
 
 They travel over a gloo group of their own (CPU tensors, whatever the device), encoded as every
 other message is (`minisgl.messages`). A group reaches the other machines through the address the
-TP group met at: a multi-node run needs no other port, and nothing is bound per rank.
+TP group met at: a multi-node run needs no other port, and nothing is bound per rank. An idle
+rank 0 sends a turn that is none at each turn of its idle loop (`ping`), which fails once a rank
+is gone.
 """
 
 from datetime import timedelta
@@ -17,6 +19,7 @@ from minisgl.utils import init_logger
 logger = init_logger(__name__)
 
 Message = AddRequests | AbortRequest | FlushPrefixCache
+_PING = -1  # the size of a turn that is none: rank 0 idles (`ping`)
 # the other ranks wait for rank 0's next turn for as long as it lives: a server or an offline LLM
 # may idle for days
 _WAIT_FOREVER = timedelta(days=36500)
@@ -34,11 +37,20 @@ class Lockstep:
         dist.broadcast(torch.tensor([data.numel()]), 0, group=self._group)
         dist.broadcast(data, 0, group=self._group)
 
+    def ping(self) -> None:
+        """Rank 0, idle: a turn without a step. It fails once another rank is gone (its connection
+        closed), so that a lost node ends the server within an idle turn, not at the next request."""
+        try:
+            dist.broadcast(torch.tensor([_PING]), 0, group=self._group)
+        except RuntimeError as e:
+            raise RuntimeError(f"rank 0: another TP rank is gone ({e})") from None
+
     def recv(self) -> list[Message] | None:
         """Ranks 1..tp-1: rank 0's next turn; None once rank 0 has stopped, or is gone."""
-        size = torch.empty(1, dtype=torch.int64)
+        size = torch.tensor([_PING])
         try:
-            dist.broadcast(size, 0, group=self._group)
+            while int(size) == _PING:
+                dist.broadcast(size, 0, group=self._group)
             data = torch.empty(int(size), dtype=torch.uint8)
             dist.broadcast(data, 0, group=self._group)
         except RuntimeError:  # gloo: the connection to rank 0 closed

@@ -192,6 +192,8 @@ def _serve_primary(worker: SchedulerWorker, addresses: Addresses) -> None:
         busy = worker.scheduler.has_work
         messages = recv_all(inbox, timeout_ms=0 if busy else IDLE_TURN_MS)
         if not messages and not busy:  # idle: the loop only shows that it turns
+            if worker.lockstep is not None:
+                worker.lockstep.ping()
             continue
         out = worker.step(messages)
         if out.rids or out.finished or out.errors or out.load is not None:
