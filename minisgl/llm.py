@@ -26,11 +26,13 @@ from minisgl.config import (
 )
 from minisgl.core import SamplingParams, choice_params
 from minisgl.messages import AbortRequest, AddRequests, Finished, FlushPrefixCache, StepOutputs
+from minisgl.models.config import ModelConfig
 from minisgl.scheduler.lockstep import Message
 from minisgl.scheduler.worker import SchedulerWorker, start_worker
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 from minisgl.utils import resolve_model_path
+from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.process import local_init_method, start_child
 from minisgl.utils.torch_utils import resolve_device
 
@@ -46,6 +48,8 @@ class LLM:
         if given := [name for name in _PLACEMENT if name in engine_settings]:
             raise ValueError(f"{', '.join(given)}: the offline LLM places its TP ranks itself")
         engine_config = EngineConfig(model_path=path, **engine_settings)
+        # before any rank starts, each of which would fail alike
+        ModelConfig.from_hf(cached_load_hf_config(path)).check_tp(engine_config.tp_size)
         if engine_config.tp_size > 1:
             engine_config = replace(engine_config, dist_init_method=local_init_method())
         if "chunk_size" not in scheduler_settings:  # rank 0's, which every rank must share

@@ -180,15 +180,15 @@ class ServerProcess:
         machine, and what is sent to the scheduler meanwhile waits in its inbox."""
         pid = self.child("scheduler-0")
         deadline = time.monotonic() + timeout
-        while True:
-            os.kill(pid, signal.SIGSTOP)
-            metrics = self.metrics()
-            if until(metrics):
-                break
-            os.kill(pid, signal.SIGCONT)
-            assert time.monotonic() < deadline, "metrics never met the condition"
-            time.sleep(0.1)
         try:
+            while True:
+                os.kill(pid, signal.SIGSTOP)
+                metrics = self.metrics()
+                if until(metrics):
+                    break
+                os.kill(pid, signal.SIGCONT)
+                assert time.monotonic() < deadline, "metrics never met the condition"
+                time.sleep(0.1)
             yield metrics
         finally:
             with contextlib.suppress(ProcessLookupError):  # the block may kill it

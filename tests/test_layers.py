@@ -1,6 +1,7 @@
 """The op layer (chapter 2): BaseOP's naming and loading rules, and the reference ops against HF."""
 
 import re
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -39,7 +40,10 @@ class Tree(BaseOP):
 
 
 @pytest.fixture(autouse=True)
-def single_rank() -> None:
+def single_rank() -> Iterator[None]:
+    """Each test starts, and leaves the modules after it, at one rank."""
+    set_tp_info(0, 1)
+    yield
     set_tp_info(0, 1)
 
 
@@ -243,11 +247,11 @@ def test_a_tp_size_is_refused_before_the_build_exactly_when_the_build_would_fail
         if refusal is None:
             config.check_tp(tp)
             CausalLM(config, TorchMoE(), torch.device("cpu"))
-            return
-        with pytest.raises(ConfigError, match=re.escape(refusal)):
-            config.check_tp(tp)
-        with pytest.raises(ConfigError):
-            CausalLM(config, TorchMoE(), torch.device("cpu"))
+        else:
+            with pytest.raises(ConfigError, match=re.escape(refusal)):
+                config.check_tp(tp)
+            with pytest.raises(ConfigError):
+                CausalLM(config, TorchMoE(), torch.device("cpu"))
 
 
 def test_ranks_past_the_kv_heads_share_them_only_in_whole_groups() -> None:

@@ -52,7 +52,8 @@ def _error_response(e: ApiError) -> Response:
 
 
 def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None]) -> FastAPI:
-    """The app; on SIGTERM it drains, then calls `exit` (which stops the HTTP server)."""
+    """The app; on SIGTERM it drains, on SIGUSR1 it answers what is open at once, then calls
+    `exit` (which stops the HTTP server)."""
 
     async def drain(timeout: float) -> None:
         await client.wait_idle(timeout)
@@ -303,7 +304,7 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
 
 
 def run_api_server(args: ServerArgs, addresses: Addresses) -> None:
-    """The process entry point; serves until SIGTERM, then drains."""
+    """The process entry point; serves until SIGTERM, then drains (SIGUSR1: answers at once)."""
     client = EngineClient(addresses, Metrics(), args.limits.max_queued_requests)
     config = uvicorn.Config(
         # the server is bound below, before the app can call this

@@ -146,11 +146,15 @@ class EngineClient:
         self._release(group)
 
     def interrupt_all(self, message: str) -> None:
-        """End every open request with Interrupted (their handlers answer it) and abort them."""
+        """End every open request with Interrupted (their handlers answer it) and abort them;
+        a tokenizer query waiting for its answer gets a 503 too."""
         for group in list(self._groups):
             for rid in group.unfinished:
                 group.queue.put_nowait((self._routes[rid].index, Interrupted(message)))
             self.abort(group)
+        for future in self._queries.values():
+            if not future.done():
+                future.set_exception(ApiError(503, message))
 
     async def wait_idle(self, timeout: float) -> None:
         """Until no request is open, or `timeout` seconds."""

@@ -15,7 +15,9 @@ is stopped whole and taken out of the router, and the others serve on; the launc
 router or the last replica does.
 
 On SIGINT or SIGTERM it lets the API servers (and the router) drain (--shutdown-timeout), then
-stops the rest. The children talk over abstract sockets (the TP ranks among themselves over
+stops the rest. Once a process has died, no open request can finish: the API server answers each
+with a 503 at once (SIGUSR1), the launcher stops the rest and exits 1; under --shell, a reply under
+way gets that error and the shell ends at the next line. The children talk over abstract sockets (the TP ranks among themselves over
 torch.distributed) and die with the launcher, however it ends: nothing is left behind. This
 module imports nothing heavy: each child imports only its own entry point.
 """
@@ -226,23 +228,49 @@ def _stop(procs: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S, kill: bool
 
 
 def _answer_open_requests(procs: list[BaseProcess]) -> None:
-    """A server that lost a process can finish none of its open requests: its API server
-    answers each with a 503 at once (SIGUSR1)."""
+    """A server that lost a process can finish none of its open requests: its API server, if
+    still running, answers each with a 503 at once (SIGUSR1) and exits."""
     for proc in procs:
         if proc.name.endswith("api-server") and proc.is_alive():
-            os.kill(proc.pid, signal.SIGUSR1)
+            with contextlib.suppress(ProcessLookupError):  # it exited since
+                os.kill(proc.pid, signal.SIGUSR1)
 
 
-def _stop_broken(procs: list[BaseProcess]) -> None:
-    """Stop a server that lost a process, without the drain a SIGTERM starts."""
-    _answer_open_requests(procs)
-    _stop(procs)
+def _drain(fronts: list[BaseProcess], others: list[BaseProcess], timeout: float) -> None:
+    """SIGTERM the API servers and the router, which drain, and wait until they have exited or
+    `timeout` seconds; should one of the `others` exit meanwhile, nothing open can finish."""
+    for proc in fronts:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + timeout
+    waiting = {proc.sentinel: proc for proc in [*fronts, *others]}
+    while any(proc in waiting.values() for proc in fronts):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        for sentinel in multiprocessing.connection.wait(list(waiting), left):
+            if waiting.pop(sentinel) in others:
+                _answer_open_requests(fronts)
 
 
-def _answer_once_one_exits(procs: list[BaseProcess]) -> None:
-    """The shell's watcher: a reply under way when a process exits gets its error at once."""
-    multiprocessing.connection.wait([p.sentinel for p in procs])
-    _answer_open_requests(procs)
+class _ShellWatcher(threading.Thread):
+    """Under the shell: once a process exits, a reply under way gets its error at once, and the
+    shell learns which process it was at the next line."""
+
+    def __init__(self, procs: list[BaseProcess]) -> None:
+        super().__init__(daemon=True)
+        self._procs = procs
+        self._fired: list[int] = []  # the sentinels that woke it
+        self.closed = threading.Event()  # the shell ended: what exits next is stopped by us
+
+    def run(self) -> None:
+        self._fired = multiprocessing.connection.wait([p.sentinel for p in self._procs])
+        if not self.closed.is_set():
+            _answer_open_requests([p for p in self._procs if p.sentinel not in self._fired])
+
+    def exited(self) -> list[str]:
+        """The processes that had exited when it woke (none before), with their exit codes."""
+        return _dead([p for p in self._procs if p.sentinel in self._fired])
 
 
 def launch(args: ServerArgs) -> int:
@@ -276,9 +304,12 @@ def launch(args: ServerArgs) -> int:
                 f"front of replicas at {', '.join(replica_urls)}"
             )
         if args.shell:
-            procs = [*_flat(servers), *router]
-            threading.Thread(target=_answer_once_one_exits, args=(procs,), daemon=True).start()
-            run_shell(url, args.served_model_name, args.api_key, lambda: _dead(procs))
+            watcher = _ShellWatcher([*_flat(servers), *router])
+            watcher.start()
+            run_shell(url, args.served_model_name, args.api_key, watcher.exited)
+            watcher.closed.set()
+            if dead := watcher.exited():  # before the shell's /exit or Ctrl-D
+                raise RuntimeError(f"a process exited: {', '.join(dead)}")
             return 0
         ready = time.monotonic() - start
         _say(f"serving {args.served_model_name} at {url}/v1{behind} (ready in {ready:.1f} s)")
@@ -298,8 +329,11 @@ def launch(args: ServerArgs) -> int:
         procs = [*_flat(servers), *router]
         if stopping:  # the API servers and the router drain on SIGTERM: they answer what they have
             fronts = [p for p in procs if p.name.endswith("api-server") or p.name == "router"]
-            _stop(fronts, args.shutdown_timeout + _STOP_TIMEOUT_S, kill=False)
-        (_stop_broken if broken else _stop)(procs)
+            others = [p for p in procs if p not in fronts]
+            _drain(fronts, others, args.shutdown_timeout + _STOP_TIMEOUT_S)
+        elif broken:
+            _answer_open_requests(procs)
+        _stop(procs)
 
 
 def _serve(
@@ -315,7 +349,8 @@ def _serve(
             return
         for i, procs in list(live.items()):
             if dead := _dead(procs):
-                _stop_broken(procs)
-                del live[i]
+                _answer_open_requests(procs)
                 lost(i)
+                _stop(procs)
+                del live[i]
                 _say(f"replica {i} stopped ({', '.join(dead)}); {len(live)} left")

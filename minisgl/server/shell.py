@@ -1,7 +1,8 @@
 """`minisgl --shell`: chat with the served model in the terminal, through its own HTTP API.
 
 The shell keeps the conversation and sends all of it each turn, streaming the reply as it comes.
-/reset forgets the conversation; /exit or Ctrl-D leaves; Ctrl-C stops a reply early.
+/reset forgets the conversation; /exit or Ctrl-D leaves; Ctrl-C stops a reply early. Once a
+server process has exited, the next line typed ends the shell (and the launcher exits 1).
 """
 
 import http.client

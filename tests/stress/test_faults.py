@@ -321,10 +321,12 @@ def test_killed_scheduler_answers_every_open_request_with_a_503_and_exits_prompt
     start_server,
 ) -> None:
     """No open request can finish: each is answered at once (a stream: an error event, then
-    [DONE]), not after the drain a SIGTERM gets (--shutdown-timeout 60) or a closed socket."""
+    [DONE]), not after the drain a SIGTERM gets (--shutdown-timeout 60) or a closed socket; so
+    is a /tokenize that waits on the (stopped) tokenizer."""
     server = start_server("--max-kv-tokens", "4096", "--shutdown-timeout", "60")
     before = server.metrics()
-    with ThreadPoolExecutor(4) as pool:
+    tokenizer = server.child("tokenizer")
+    with ThreadPoolExecutor(5) as pool:
         streams = [
             pool.submit(
                 read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, f"Once {i}", 1900)
@@ -335,14 +337,42 @@ def test_killed_scheduler_answers_every_open_request_with_a_503_and_exits_prompt
         post = pool.submit(server.post, COMPLETIONS, json=body)
         # all four running
         with server.scheduler_stopped(until=lambda m: delta(before, m, FIRST_TOKENS) == 4):
-            os.kill(server.child("scheduler-0"), signal.SIGKILL)
-        killed = time.monotonic()
+            os.kill(tokenizer, signal.SIGSTOP)
+            try:
+                query = pool.submit(server.post, "/tokenize", json={"prompt": "Once"})
+                time.sleep(1)  # for the query to reach the API server
+                os.kill(server.child("scheduler-0"), signal.SIGKILL)
+                killed = time.monotonic()
+                assert "the engine stopped" in assert_openai_error(query.result(), 503)["message"]
+            finally:
+                os.kill(tokenizer, signal.SIGCONT)
         for s in (f.result() for f in streams):
             assert s.status == 200 and s.done, s
             assert "the engine stopped" in check_error_body(s.events[-1])["message"]
         assert "the engine stopped" in assert_openai_error(post.result(), 503)["message"]
-    assert server.wait_exit(timeout=15) != 0  # no child and no ipc file left either
+    assert server.wait_exit(timeout=15) == 1  # no child and no ipc file left either
     assert time.monotonic() - killed < 30
+
+
+def test_scheduler_dying_during_a_drain_ends_it_at_once(start_server) -> None:
+    """SIGTERM lets running requests finish within --shutdown-timeout (60 s here); once the
+    scheduler has died, none can, and each is answered at once."""
+    server = start_server("--max-kv-tokens", "4096", "--shutdown-timeout", "60")
+    before = server.metrics()
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(
+            read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 1900)
+        )
+        with server.scheduler_stopped(until=lambda m: delta(before, m, FIRST_TOKENS) == 1):
+            server.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: httpx.get(server.url + "/health").status_code == 503)  # draining
+            os.kill(server.child("scheduler-0"), signal.SIGKILL)
+            killed = time.monotonic()
+        answer = stream.result()
+        assert answer.status == 200 and answer.done, answer
+        assert "the engine stopped" in check_error_body(answer.events[-1])["message"]
+    assert server.wait_exit(timeout=15) == 0  # it was asked to stop
+    assert time.monotonic() - killed < 20
 
 
 # ------------------------------------------------------------------------ a stopped scheduler
