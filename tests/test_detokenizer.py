@@ -76,6 +76,46 @@ def test_a_finishing_stop_token_adds_no_text(qwen3: PreTrainedTokenizerBase) -> 
     assert (first, last, detok.text) == (" there", "", " there")
 
 
+def test_a_stop_token_adds_its_text_with_include_stop_str_in_output(
+    qwen3: PreTrainedTokenizerBase,
+) -> None:
+    dot = qwen3.convert_tokens_to_ids(".")
+    include = SamplingParams(include_stop_str_in_output=True)
+    detok = IncrementalDetokenizer(qwen3, qwen3.encode("Hi"), include)
+    pieces = [detok.step(qwen3.encode(" there"))[0], detok.step([dot], _finished(dot))[0]]
+    assert pieces == [" there", "."] and detok.text == " there."
+
+
+def _split(
+    tokenizer: PreTrainedTokenizerBase, text: str, by_character: bool, params: SamplingParams
+) -> IncrementalDetokenizer:
+    """`text` streamed as its tokens, or a token per character."""
+    ids = [tokenizer.encode(c)[0] for c in text] if by_character else tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), params)
+    for t in ids:
+        detok.step([t])
+    return detok
+
+
+@pytest.mark.parametrize("by_character", [False, True])
+def test_of_overlapping_stop_strings_the_one_completed_first_wins_however_tokenized(
+    qwen3: PreTrainedTokenizerBase, by_character: bool
+) -> None:
+    detok = _split(qwen3, "hello world", by_character, SamplingParams(stop=("hello world", "o w")))
+    assert (detok.text, detok.matched_stop) == ("hell", "o w")
+
+
+def test_a_stop_string_that_begins_in_the_min_tokens_text_and_ends_after_it_counts(
+    qwen3: PreTrainedTokenizerBase,
+) -> None:
+    assert [qwen3.decode([t]) for t in qwen3.encode("hello world")] == ["hello", " world"]
+    straddling = _split(qwen3, "hello world", False, SamplingParams(stop=("o w",), min_tokens=1))
+    assert (straddling.text, straddling.matched_stop) == ("hell", "o w")
+    within = _split(qwen3, "hello world", False, SamplingParams(stop=("ell",), min_tokens=1))
+    assert (within.text, within.matched_stop) == ("hello world", None)
+
+
 def test_a_stop_string_in_the_first_token_ends_the_text_there(
     qwen3: PreTrainedTokenizerBase,
 ) -> None:
@@ -97,7 +137,7 @@ def test_a_stop_string_across_a_multi_byte_character_is_matched_when_it_complete
     assert detok.num_tokens == len(whole)  # up to the token that completed the character
 
 
-def test_of_stop_strings_the_one_that_begins_first_wins_and_ends_the_request(
+def test_of_stop_strings_the_one_that_ends_first_wins_and_ends_the_request(
     qwen3: PreTrainedTokenizerBase,
 ) -> None:
     ids = qwen3.encode("one two three four")

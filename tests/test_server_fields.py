@@ -7,6 +7,8 @@ import openai
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.messages import TextLogprobs
+from minisgl.server.responses import Choice, CompletionFormat
 
 from .server_process import ServerProcess
 from .test_bad_input import nested_schema
@@ -219,3 +221,12 @@ def test_a_schema_nested_past_the_limit_is_a_400(server: ServerProcess, fields) 
     r = server.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
     assert r.status_code == 400 and "nests deeper than" in r.json()["error"]["message"], r.text
     assert _text(server, max_tokens=4).text  # served on
+
+
+def test_top_logprobs_of_tokens_that_render_alike_keep_the_likeliest() -> None:
+    """A completion's top_logprobs are keyed by text: the pieces of a multi-byte character all
+    render as U+FFFD."""
+    top = [("\ufffd", -0.1), ("\ufffd", -2.3), ("a", -3.0)]
+    piece = Choice("x", [TextLogprobs("\ufffd", -0.1, top)])
+    choice = CompletionFormat().choice(0, piece, 0, True, False, True)
+    assert choice["logprobs"]["top_logprobs"] == [{"\ufffd": -0.1, "a": -3.0}]

@@ -92,6 +92,15 @@ class ReplyFormat(ABC):
         }
 
 
+def _top_by_text(top: list[tuple[str, float]]) -> dict[str, float]:
+    """A completion's top_logprobs, keyed by token text: of tokens that render alike (the
+    pieces of a multi-byte character are each U+FFFD) the likeliest is kept."""
+    by_text: dict[str, float] = {}
+    for token, logprob in top:
+        by_text.setdefault(token, logprob)
+    return by_text
+
+
 class CompletionFormat(ReplyFormat):
     id_prefix = "cmpl"
     object = chunk_object = "text_completion"
@@ -114,7 +123,7 @@ class CompletionFormat(ReplyFormat):
             logprobs = {
                 "tokens": [t.token for t in piece.logprobs],
                 "token_logprobs": [t.logprob for t in piece.logprobs],
-                "top_logprobs": [dict(t.top) for t in piece.logprobs],
+                "top_logprobs": [_top_by_text(t.top) for t in piece.logprobs],
                 "text_offset": offsets,
             }
         return {

@@ -3,9 +3,10 @@
 A piece is released only when it is final: never half of a multi-byte character (the decoder shows
 those as U+FFFD until the rest arrives), and never a tail that could still grow into a stop string.
 The stop strings are found here, in the text as it is decoded (with the prompt's last tokens as
-context, as the whole output is decoded): the text ends before the first one (or after it, with
-include_stop), none is looked for in the text of the first min_tokens tokens, and the pieces
-always concatenate to the final text.
+context, as the whole output is decoded): the text ends before the one that ends first (or after
+it, with include_stop), whatever tokens the text came in; one that ends within the text of the
+first min_tokens tokens does not count (one that only begins there does, as in vLLM); and the
+pieces always concatenate to the final text.
 """
 
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ class IncrementalDetokenizer:
         self._stops: tuple[str, ...] = params.stop  # type: ignore[assignment]
         self._min_tokens = params.min_tokens
         self._include_stop = params.include_stop_str_in_output
-        self._searched = 0  # where the search for a stop string may start
+        self._searched = 0  # stop strings ending in self.text[:_searched] were looked for
         # the longest tail that may still become a stop string: held back until it cannot
         self._hold = max(map(len, self._stops), default=1) - 1
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])  # only the ids still to be decoded again
@@ -65,22 +66,19 @@ class IncrementalDetokenizer:
         otherwise), `finish` saying how the request ended if it did with the last of them (a stop
         id or eos that ended it contributes no text). Returns the text that became final, and
         whether a stop string ended the text while the request runs on: it must be stopped. Once
-        a stop string has ended the text, later tokens add nothing."""
+        a stop string has ended the text, later tokens add nothing. A stop id or eos that ended
+        the request adds its text only with include_stop_str_in_output, as in vLLM."""
         if self.matched_stop is not None:
             return "", False
         self.num_tokens += len(token_ids)
         finished = finish is not None
-        stop_token = finished and isinstance(finish.matched_stop, int)
+        stop_token = finished and isinstance(finish.matched_stop, int) and not self._include_stop
         new = token_ids[:-1] if stop_token else token_ids
-        scanned = len(self.text)
         if new or finished:
             self._ids.extend(new)
             self._read(final=finished)
-        found = None
-        if self.num_tokens > self._min_tokens:
-            found = self._find_stop(max(self._searched, scanned - self._hold))
-        else:
-            self._searched = len(self.text)
+        found = self._find_stop() if self.num_tokens > self._min_tokens else None
+        self._searched = len(self.text)
         if found is not None:
             cut, self.matched_stop = found
             self.text = self.text[: cut + len(self.matched_stop) if self._include_stop else cut]
@@ -92,12 +90,16 @@ class IncrementalDetokenizer:
         piece, self._released = self.text[self._released : end], end
         return piece, found is not None and not finished
 
-    def _find_stop(self, start: int) -> tuple[int, str] | None:
-        """The stop string that begins first in self.text[start:] (where one may end in text the
-        last call did not see), and where: a search of the new text per stop string, however long
-        the text has grown."""
-        hits = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
-        return min(hits, default=None)
+    def _find_stop(self) -> tuple[int, str] | None:
+        """Where the stop string that ends first after self._searched begins, and which it is
+        (of two ending together, the longer): a search of the new text per stop string, however
+        long the text has grown."""
+        hits = [
+            (i, s)
+            for s in self._stops
+            if (i := self.text.find(s, max(0, self._searched - len(s) + 1))) >= 0
+        ]
+        return min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0]), default=None)
 
     @property
     def stopped(self) -> bool:
