@@ -69,10 +69,9 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.monotonic()
         self.config = config
-        self.model_config = ModelConfig.from_hf(cached_load_hf_config(config.model_path))
-        self.model_config.check_tp(config.tp_size)
         self.device = _init_device(config)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config = ModelConfig.from_hf(cached_load_hf_config(config.model_path))
         self.num_kv_heads = local_kv_heads(self.model_config.num_kv_heads, config.tp_size)
         self.moe_backend_name = MOE_BACKENDS.resolve(config.moe_backend, self.device.type)
         self.moe_backend = MOE_BACKENDS.get(self.moe_backend_name)()

@@ -392,17 +392,13 @@ def test_stopped_scheduler_makes_health_503_until_it_resumes(start_server) -> No
         body = _stream_body(COMPLETIONS, "Once", 1900)
         stream = pool.submit(read_stream, server, COMPLETIONS, body, running)
         assert running.wait(30)
-        scheduler = server.child("scheduler-0")
-        os.kill(scheduler, signal.SIGSTOP)
-        try:
+        with server.scheduler_stopped():
             wait_for(
                 lambda: httpx.get(server.url + "/health").status_code == 503,
                 HEALTH_TIMEOUT_S + 10,
                 "/health still 200 with the scheduler stopped",
             )
             assert_openai_error(httpx.get(server.url + "/health"), 503)
-        finally:
-            os.kill(scheduler, signal.SIGCONT)
         wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 10)
         _assert_complete(stream.result(), 1900)  # the stream goes on where it stopped
     assert_clean(server, before)
