@@ -31,6 +31,8 @@ TP_DEVICE = "cuda" if DEVICE == "cuda" and torch.cuda.device_count() >= 2 else "
 if DEVICE == "cpu":
     # Triton kernels run in Triton's interpreter on CPU tensors; read when triton.jit decorates them
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# a process of a test that dies of a signal (SIGABRT, SIGSEGV) prints every thread's traceback
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 ASSETS = Path(__file__).parent / "assets"
 QWEN3_TOKENIZER = ASSETS / "qwen3-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

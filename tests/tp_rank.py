@@ -8,6 +8,7 @@ from minisgl.core import SamplingParams
 from minisgl.engine.engine import Engine
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.utils import DEFAULT_MODEL_PATH
+from minisgl.utils.process import exit_now
 
 Requests = list[tuple[int, list[int], SamplingParams]]
 
@@ -34,5 +35,9 @@ def sample(
 
 
 def sample_into(results: Queue, rank: int, *args: object) -> None:
-    """(rank, `sample`'s tokens), put on `results`."""
+    """(rank, `sample`'s tokens), put on `results`; then this rank exits as the server's
+    followers do."""
     results.put((rank, sample(rank, *args)))  # type: ignore[arg-type]
+    results.close()
+    results.join_thread()
+    exit_now(0)

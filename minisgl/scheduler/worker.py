@@ -7,8 +7,6 @@ and a thread of its own sends a heartbeat every half second, however long a step
 offline LLM is rank 0 itself, and starts the other ranks as these processes.
 """
 
-import logging
-import os
 import threading
 import time
 
@@ -34,6 +32,7 @@ from minisgl.messages import (
     send,
 )
 from minisgl.utils import init_logger, load_eos_token_ids
+from minisgl.utils.process import exit_now
 
 from .lockstep import Lockstep, Message
 from .scheduler import Scheduler
@@ -168,12 +167,10 @@ def run_follower(engine_config: EngineConfig, scheduler_config: SchedulerConfig)
     assert worker.lockstep is not None
     while (messages := worker.lockstep.recv()) is not None:
         worker.step(messages)  # exactly the messages of rank 0's step
-    if worker.lockstep.leader_gone:
-        # with rank 0 gone, leaving the groups waits forever for it (NCCL, pytorch#141510) and
-        # the interpreter's teardown of gloo's aborted 3 of 20 exits here: exit without either
-        logging.shutdown()
-        os._exit(0)
-    worker.scheduler.engine.close()
+    # with rank 0 gone, leaving the groups waits forever for it (NCCL, pytorch#141510)
+    if not worker.lockstep.leader_gone:
+        worker.scheduler.engine.close()
+    exit_now(0)
 
 
 def _serve_primary(worker: SchedulerWorker, addresses: Addresses) -> None:
