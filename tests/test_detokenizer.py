@@ -163,3 +163,22 @@ def test_output_that_completes_a_character_the_prompt_began_keeps_all_its_text()
     assert "".join(pieces) == detok.text == "中!!!"
     at_once = IncrementalDetokenizer(stories, prompt)
     assert at_once.step(output, _finished()) == ("中!!!", False)
+
+
+@pytest.mark.parametrize("tokenizer_path", [QWEN3_TOKENIZER, DEFAULT_MODEL_PATH], ids=["bpe", "sp"])
+def test_a_run_of_tokens_that_decode_to_u_fffd_streams_as_it_comes(tokenizer_path) -> None:
+    """A lone byte no character continues (a byte-level BPE's, or sentencepiece's byte
+    fallback) is U+FFFD for good once three more tokens leave it so: it goes out then, rather
+    than at the end of the run."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    lone = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == "\ufffd")
+    ids = [lone] * 200 + tokenizer.encode(" ok", add_special_tokens=False)
+    pieces, detok = _stream(tokenizer, ids)
+    assert all(pieces[3:200]), pieces[:8]  # each step's token, three steps later
+    prompt = tokenizer.encode("Say:")
+    whole = tokenizer.decode(prompt + ids, skip_special_tokens=True)
+    assert (
+        "".join(pieces)
+        == detok.text
+        == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]
+    )

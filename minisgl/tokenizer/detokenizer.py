@@ -19,6 +19,9 @@ from minisgl.messages import Finished
 
 # prompt tokens decoded with the first output tokens, so a leading space is rendered as in context
 _CONTEXT_TOKENS = 5
+# the tokens after a character's first byte that may still complete it: UTF-8 has 4 bytes at most,
+# and every token but a special one has a byte at least
+_HELD_TOKENS = 3
 _NO_STOP = SamplingParams()
 
 
@@ -56,10 +59,27 @@ class IncrementalDetokenizer:
             # the whole character is output text
             start = len(prefix_text.rstrip("\ufffd"))
         if len(new_text) > start and (final or not new_text.endswith("\ufffd")):
-            self.text += new_text[start:]
-            # the ids before the new prefix are never decoded again
-            del self._ids[: self._read_offset]
-            self._prefix_offset, self._read_offset = 0, len(self._ids)
+            self._release(new_text[start:], len(self._ids))
+        elif len(self._ids) - self._read_offset > _HELD_TOKENS and not self._has_special(
+            self._ids[-_HELD_TOKENS:]
+        ):
+            # a U+FFFD that the last tokens leave in place is no half character: its text goes
+            # out, so that a run of such tokens is not decoded again at every step
+            cut = len(self._ids) - _HELD_TOKENS
+            settled = self._decode(self._ids[self._prefix_offset : cut])
+            if len(settled) > start and new_text.startswith(settled):
+                self._release(settled[start:], cut)
+
+    def _release(self, text: str, end: int) -> None:
+        """Adds the text of the ids up to `end`; the ids before the new prefix are never
+        decoded again."""
+        self.text += text
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, end - self._read_offset
+
+    def _has_special(self, ids: list[int]) -> bool:
+        """Any of `ids` is a special token, which decodes to no bytes."""
+        return not set(ids).isdisjoint(self._tokenizer.all_special_ids)
 
     def step(self, token_ids: Sequence[int], finish: Finished | None = None) -> tuple[str, bool]:
         """Add sampled tokens (one per step when streaming or matching stop strings; all at once
