@@ -94,6 +94,14 @@ class StructuredOutput:
             raise ValueError("a structured output sets exactly one of json, regex, choice, grammar")
 
 
+class InvalidSamplingParam(ValueError):
+    """A SamplingParams field's value breaks its rule; the message starts with the field's name."""
+
+    def __init__(self, name: str, requirement: str) -> None:
+        super().__init__(f"{name} {requirement}")
+        self.name, self.requirement = name, requirement
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next tokens and when to stop. Validated on creation; temperature 0 = greedy.
@@ -124,73 +132,85 @@ class SamplingParams:
     n: int = 1  # offline: outputs per prompt (the server's n is the request's)
 
     def __post_init__(self) -> None:
-        def check(ok: bool, message: str) -> None:
+        def check(ok: bool, name: str, requirement: str) -> None:
             if not ok:
-                raise ValueError(message)
+                raise InvalidSamplingParam(name, requirement)
 
-        check(_is_finite(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
+        check(_is_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         check(
             _is_int64(self.top_k) and (self.top_k in (-1, 0) or self.top_k >= 1),
-            "top_k must be -1 (disabled) or >= 1",
+            "top_k",
+            "must be -1 (disabled) or >= 1",
         )
-        check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        check(_is_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]")
+        check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(_is_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         check(
             self.max_tokens is None or (_is_int64(self.max_tokens) and self.max_tokens >= 1),
-            "max_tokens must be >= 1",
+            "max_tokens",
+            "must be >= 1",
         )
-        check(self.seed is None or _is_int64(self.seed), "seed must be a 64-bit integer")
+        check(self.seed is None or _is_int64(self.seed), "seed", "must be a 64-bit integer")
         check(
             self.logprobs is None
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+            "logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}]",
         )
-        check(isinstance(self.ignore_eos, bool), "ignore_eos must be a bool")
+        check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            check(_is_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
+            check(_is_finite(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
         check(
             _is_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-            "repetition_penalty must be in (0, 2]",
+            "repetition_penalty",
+            "must be in (0, 2]",
         )
+        check(_is_int64(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
         check(
-            _is_int64(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or INT64_MAX),
-            "min_tokens must be in [0, max_tokens]",
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be at most max_tokens ({self.max_tokens})",
         )
         check(
             isinstance(self.include_stop_str_in_output, bool),
-            "include_stop_str_in_output must be a bool",
+            "include_stop_str_in_output",
+            "must be a bool",
         )
         check(
             self.structured is None or isinstance(self.structured, StructuredOutput),
-            "structured must be a StructuredOutput",
+            "structured",
+            "must be a StructuredOutput",
         )
-        check(_is_int(self.n) and self.n >= 1, "n must be >= 1")
+        check(_is_int(self.n) and self.n >= 1, "n", "must be >= 1")
         bias = self.logit_bias or ()
-        check(isinstance(bias, (Mapping, list, tuple)), "logit_bias must map token ids to biases")
+        check(
+            isinstance(bias, (Mapping, list, tuple)), "logit_bias", "must map token ids to biases"
+        )
         items = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
         check(
             all(
                 isinstance(p, (list, tuple)) and len(p) == 2 and _is_int64(p[0]) and p[0] >= 0
                 for p in items
             ),
-            "logit_bias keys must be token ids",
+            "logit_bias",
+            "keys must be token ids",
+        )
+        check(
+            all(_is_finite(b) and -100 <= b <= 100 for _, b in items),
+            "logit_bias",
+            "values must be in [-100, 100]",
         )
         pairs = tuple(sorted(map(tuple, items)))
-        check(
-            all(_is_finite(b) and -100 <= b <= 100 for _, b in pairs),
-            "logit_bias values must be in [-100, 100]",
-        )
         object.__setattr__(self, "logit_bias", pairs)
         # normalise to hashable tuples once, here, so every reader sees one form
         lists = (list, tuple, type(None))
-        check(isinstance(self.stop, (str, *lists)), "stop must be a string or a list of strings")
-        check(isinstance(self.stop_token_ids, lists), "stop_token_ids must be a list of ints")
+        check(isinstance(self.stop, (str, *lists)), "stop", "must be a string or a list of strings")
+        check(isinstance(self.stop_token_ids, lists), "stop_token_ids", "must be a list of ints")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        check(all(isinstance(s, str) and s for s in stop), "stop must be non-empty strings")
-        check(all(_is_unicode(s) for s in stop), "stop strings must be valid Unicode")
+        check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings")
+        check(all(_is_unicode(s) for s in stop), "stop", "strings must be valid Unicode")
         stop_ids = tuple(self.stop_token_ids or ())
-        check(all(_is_int64(t) and t >= 0 for t in stop_ids), "stop_token_ids must be ints >= 0")
+        check(all(_is_int64(t) and t >= 0 for t in stop_ids), "stop_token_ids", "must be ints >= 0")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_ids)
 
@@ -297,9 +317,11 @@ class Req:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_prompt_tokens: int = field(init=False)
+    stop_ids: frozenset[int] = field(init=False)  # params.stop_token_ids, looked up every token
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.device_len = len(self.token_ids)
+        self.stop_ids = frozenset(self.params.stop_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -159,8 +159,8 @@ def test_a_named_choice_reply_is_that_call_s_arguments() -> None:
     )
 
 
-def _reasoning(kwargs: dict, pieces: list[str]) -> tuple[str, str]:
-    parser, reasoning, content = Qwen3ReasoningParser(kwargs), "", ""
+def _reasoning(kwargs: dict, pieces: list[str], constrained: bool = False) -> tuple[str, str]:
+    parser, reasoning, content = Qwen3ReasoningParser(kwargs, constrained), "", ""
     for piece in [*pieces, None]:
         r, c = parser.feed(piece) if piece is not None else parser.finish()
         reasoning, content = reasoning + r, content + c
@@ -184,6 +184,23 @@ def _reasoning(kwargs: dict, pieces: list[str]) -> tuple[str, str]:
 def test_qwen3_reasoning_split_however_streamed(text: str, kwargs: dict, want: tuple) -> None:
     for pieces in _splits(text):
         assert _reasoning(kwargs, pieces) == want, pieces
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ('{"answer": 42}', ("", '{"answer": 42}')),  # JSON mode
+        ("yes", ("", "yes")),  # a choice
+        ("<thi", ("", "<thi")),  # a regex's text that only starts like the tag
+        ("<think>x</think>y", ("x", "y")),  # the constraint wrote the block itself
+        ("<think>still thinking", ("still thinking", "")),
+    ],
+)
+def test_a_constrained_reply_is_reasoning_only_in_a_block_it_opens(text: str, want: tuple) -> None:
+    """A structured output holds the reply from its first token: with thinking on, a reply
+    that does not open `<think>` is the answer, not thinking cut short."""
+    for pieces in _splits(text):
+        assert _reasoning({}, pieces, constrained=True) == want, pieces
 
 
 def _format(reasoning: bool, tools: Callable[[], Any] | None) -> ChatFormat:
@@ -210,6 +227,21 @@ def test_a_chat_message_holds_reasoning_content_and_tool_calls() -> None:
         0, Choice(f"<tool_call>{WEATHER[:30]}", end=_end("length")), 0, False, False, True
     )
     assert cut["finish_reason"] == "length"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["whole", "streamed"])
+def test_a_named_tool_choice_s_call_finishes_with_stop(delta: bool) -> None:
+    """As OpenAI's: `tool_calls` for calls the model chose to make (auto, required), `stop` for
+    the call a named choice forced."""
+    fmt = _format(False, lambda: NamedToolParser("get_weather"))
+    out = fmt.choice(0, Choice('{"city": "Paris"}', end=_end()), 0, False, delta, True)
+    message = out["delta" if delta else "message"]  # type: ignore[index]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert out["finish_reason"] == "stop"  # type: ignore[index]
+    required = _format(False, JsonArrayToolParser).choice(
+        0, Choice('[{"name": "f", "parameters": {}}]', end=_end()), 0, False, delta, True
+    )
+    assert required["finish_reason"] == "tool_calls"  # type: ignore[index]
 
 
 def test_streamed_chat_chunks_hold_only_what_they_got() -> None:

@@ -4,9 +4,10 @@ one against a real server. What each honoured field does is checked by its own t
 
 import openai.types.chat.completion_create_params as chat_params
 import openai.types.completion_create_params as completion_params
+import orjson
 import pytest
 
-from minisgl.server.protocol import IGNORED_FIELDS
+from minisgl.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, parse_body
 
 from .server_process import ServerProcess
 
@@ -96,9 +97,9 @@ def test_each_field_is_honoured_or_refused_by_name(server: ServerProcess, route,
 
 def test_an_unknown_field_in_a_nested_object_is_refused_by_name(server: ServerProcess) -> None:
     body = dict(BASE["/v1/chat/completions"])
-    body["messages"] = [{"role": "user", "content": "Hi", "refusal": "no"}]
+    body["messages"] = [{"role": "user", "content": "Hi", "mood": "curious"}]
     response = server.post("/v1/chat/completions", json=body)
-    assert response.status_code == 400 and "refusal" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "mood" in response.json()["error"]["message"]
 
 
 def test_a_body_field_ignored_is_refused_inside_a_nested_object(server: ServerProcess) -> None:
@@ -124,3 +125,86 @@ def test_a_field_sent_as_null_counts_as_not_sent(server: ServerProcess, route: s
     assert response.status_code == 200, response.text
     reply = response.json()
     assert len(reply["choices"]) == 1 and reply["usage"]["completion_tokens"] == 2
+
+
+def test_a_null_inside_an_object_counts_as_not_sent(server: ServerProcess) -> None:
+    """Clients send back the nulls of the replies they got."""
+    body = BASE["/v1/chat/completions"] | {
+        "stream": True,
+        "stream_options": {"include_usage": None},
+        "messages": [
+            {"role": "user", "content": "Hi", "name": None, "tool_calls": None},
+            {"role": "assistant", "content": "Hello", "refusal": None, "reasoning_content": None},
+            {"role": "user", "content": "More"},
+        ],
+    }
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    events = [line for line in response.text.splitlines() if line.startswith("data: {")]
+    assert all('"usage"' not in event for event in events)  # include_usage: the default
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ({"role": "user", "content": "Hi", "reasoning_content": "x"}, "reasoning_content is an"),
+        ({"role": "user", "content": "Hi", "refusal": "no"}, "refusal is an assistant"),
+        ({"role": "assistant", "content": "a", "refusal": "no"}, "content or refusal"),
+        ({"role": "assistant", "content": "a", "reasoning": "x", "reasoning_content": "y"},
+         "reasoning_content or reasoning"),
+    ],
+)  # fmt: skip
+def test_reply_fields_only_in_an_assistant_message(server: ServerProcess, message, error) -> None:
+    body = BASE["/v1/chat/completions"] | {"messages": [message]}
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and error in response.json()["error"]["message"]
+
+
+def test_an_assistant_message_may_be_a_refusal(server: ServerProcess) -> None:
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "refusal": "I cannot."},
+        {"role": "user", "content": "Why?"},
+    ]
+    as_content = [*history[:1], {"role": "assistant", "content": "I cannot."}, history[2]]
+    usage = [
+        server.post(
+            "/v1/chat/completions", json=BASE["/v1/chat/completions"] | {"messages": m}
+        ).json()["usage"]["prompt_tokens"]
+        for m in (history, as_content)
+    ]
+    assert usage[0] == usage[1]
+
+
+def test_text_parts_are_joined_by_newlines() -> None:
+    """As vLLM joins them."""
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]}  # fmt: skip
+    request = parse_body(orjson.dumps(body), ChatCompletionRequest)
+    assert request.messages[0].as_template_input()["content"] == "Hello\nworld"
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "param", "says"),
+    [
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 25}, "top_logprobs",
+         "top_logprobs must be an integer in [0, 20]"),
+        ("/v1/chat/completions", {"max_completion_tokens": 5, "min_tokens": 50}, "min_tokens",
+         "min_tokens must be at most max_tokens (5)"),
+        ("/v1/completions", {"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
+        ("/v1/completions", {"temperature": "hot"}, "temperature", "temperature:"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0", "content"),
+        ("/v1/completions", {"n": 129}, "n", "n must be at most 128"),
+        ("/v1/completions", {"stop_token_ids": list(range(1025))}, "stop_token_ids",
+         "at most 1024 stop_token_ids"),
+        ("/v1/completions", {"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias",
+         "at most 1024 tokens"),
+    ],
+)  # fmt: skip
+def test_an_error_names_its_field_in_param(
+    server: ServerProcess, route: str, fields: dict, param: str, says: str
+) -> None:
+    response = server.post(route, json=BASE[route] | fields)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"], error

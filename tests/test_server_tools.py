@@ -202,6 +202,32 @@ def test_without_thinking_the_reply_is_all_content(server: ServerProcess, stream
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_json_mode_with_thinking_on_is_all_content(server: ServerProcess, stream: bool) -> None:
+    """The grammar holds the reply from its first token: it opens no thinking block."""
+    got = _reply(server, stream, messages=QUESTION, seed=5, max_tokens=40,
+                 response_format={"type": "json_object"})  # fmt: skip
+    assert got[0]["reasoning"] is None and got[0]["content"], got
+    assert got[0]["content"].lstrip().startswith("{"), got
+
+
+def test_a_reply_sent_back_brings_its_reasoning_to_the_template(server: ServerProcess) -> None:
+    """The client appends the reply it got (with its reasoning_content) to the conversation; the
+    template renders that reasoning where it shows it (after the last question)."""
+    client = server.client()
+    first = client.chat.completions.create(
+        model="qwen", messages=QUESTION, max_tokens=50, extra_body=_forced("<think>x</think>y")
+    )
+    message = first.choices[0].message
+    assert (message.reasoning_content, message.content) == ("x", "y")  # type: ignore[attr-defined]
+    second = client.chat.completions.create(model="qwen", messages=[*QUESTION, message],
+                                            max_tokens=1)  # fmt: skip
+    history = [*QUESTION, {"role": "assistant", "content": "y", "reasoning_content": "x"}]
+    want = prompt_ids(load_tokenizer(QWEN3_TOKENIZER), None, history, None, None, {})
+    assert second.usage.prompt_tokens == len(want)
+    assert "<think>\nx\n</think>" in load_tokenizer(QWEN3_TOKENIZER).decode(want)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_tool_choice_none_leaves_calls_as_content(server: ServerProcess, stream: bool) -> None:
     got = _reply(server, stream, messages=QUESTION, tools=TOOLS, tool_choice="none",
                  chat_template_kwargs=NO_THINKING, extra_body=_forced(CALL_TEXT))  # fmt: skip
@@ -237,7 +263,8 @@ def test_a_named_tool_choice_always_gives_that_call(server: ServerProcess, strea
     got = _reply(server, stream, messages=QUESTION, tools=TOOLS, tool_choice=choice, n=4, seed=1)
     for reply in got:
         reply = _without_ids(reply)
-        assert reply["finish_reason"] == "tool_calls" and reply["content"] is None, reply
+        # OpenAI's finish_reason for the call a named choice forced
+        assert reply["finish_reason"] == "stop" and reply["content"] is None, reply
         assert [name for name, _ in reply["calls"]] == ["add"]
         _check_arguments(*reply["calls"][0])
 

@@ -217,7 +217,7 @@ class Scheduler:
         max_tokens, the end of the context. Stop strings are matched where the text is decoded
         (the detokenizer), which then aborts the request here."""
         token, params = req.token_ids[-1], req.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+        if token in req.stop_ids or (not params.ignore_eos and token in self.eos_ids):
             return "stop", token
         # the tokens the host has seen (an in-flight step may have sampled one more already)
         if (
@@ -395,13 +395,11 @@ class Scheduler:
                 assert len(req.token_ids) == req.device_len - 1, "its last token is on the host"
                 self.grammars.fill_mask(req.rid, bits, j)
             if req.num_sampled <= req.params.min_tokens:
-                stops = set(req.params.stop_token_ids)
-                if not req.params.ignore_eos:
-                    stops |= self.eos_ids
+                stops = req.stop_ids if req.params.ignore_eos else req.stop_ids | self.eos_ids
+                ids = np.fromiter(stops, dtype=np.int64, count=len(stops))
+                ids = ids[ids < self.layout.vocab_size]  # stop ids past it are never sampled
                 held = words[j].copy()
-                for t in stops:
-                    if t < self.layout.vocab_size:  # stop ids past it are never sampled
-                        held[t >> 5] &= ~np.uint32(1 << (t & 31))
+                np.bitwise_and.at(held, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
                 if held.any():
                     words[j] = held
         return TokenMasks(rows, bits)

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from minisgl.core import choice_params
+from minisgl.core import SamplingParams, choice_params
 from minisgl.messages import Addresses, Ready, TokenizerAnswer, TokenizeRequest, TokenizerQuery
 
 from .args import ServerArgs
@@ -204,7 +204,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest)
         prompts, params = body.prompts(), body.sampling_params()
-        args.limits.check(body.n, len(prompts), params.stop)
+        args.limits.check(body.n, len(prompts), params)
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(client.new_rids(len(prompts) * body.n), choices, prompts)
         echo = None
@@ -226,8 +226,8 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest)
         params = body.sampling_params()
-        args.limits.check(body.n, 1, params.stop)
-        fmt = ChatFormat(_reply_parser(args, body))
+        args.limits.check(body.n, 1, params)
+        fmt = ChatFormat(_reply_parser(args, body, params))
         messages = [m.as_template_input() for m in body.messages]
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(
@@ -247,7 +247,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
 
 
 def _reply_parser(
-    args: ServerArgs, body: ChatCompletionRequest
+    args: ServerArgs, body: ChatCompletionRequest, params: SamplingParams
 ) -> Callable[[], ReplyParser] | None:
     """What reads each choice's reply: the server's reasoning parser, and the tool parser that
     fits the request's tool_choice (auto: the server's --tool-call-parser; required and named:
@@ -266,8 +266,9 @@ def _reply_parser(
     if reasoning is None and tools is None:
         return None
     kwargs = body.chat_template_kwargs or {}
+    constrained = params.structured is not None
     return lambda: ReplyParser(
-        None if reasoning is None else REASONING_PARSERS[reasoning](kwargs),
+        None if reasoning is None else REASONING_PARSERS[reasoning](kwargs, constrained),
         None if tools is None else tools(),
     )
 

@@ -81,6 +81,8 @@ _HELP = {
     "max_request_bytes": "request body size at most; larger is a 413",
     "max_stop_strings": "stop strings per request at most",
     "max_stop_length": "characters per stop string at most",
+    "max_stop_token_ids": "stop_token_ids per request at most",
+    "max_logit_bias": "tokens a request's logit_bias biases at most",
     "max_queued_requests": "requests waiting for their first token at most; more get a 429 "
     "(default: no limit)",
     "request_timeout": "seconds a request may run before it is stopped with a 400 whose code is "

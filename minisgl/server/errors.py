@@ -12,15 +12,22 @@ class ApiError(Exception):
         message: str,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.headers = headers
+        self.param = param  # the request field that is wrong, where one is
 
     def body(self) -> dict[str, Any]:
         error_type = "invalid_request_error" if self.status < 500 else "server_error"
         return {
-            "error": {"message": self.message, "type": error_type, "param": None, "code": self.code}
+            "error": {
+                "message": self.message,
+                "type": error_type,
+                "param": self.param,
+                "code": self.code,
+            }
         }

@@ -4,6 +4,7 @@ others bound the work one request can make the server do before anything is gene
 from dataclasses import dataclass
 
 from minisgl.config import check_positive
+from minisgl.core import SamplingParams
 
 from .errors import ApiError
 
@@ -15,24 +16,48 @@ class RequestLimits:
     max_request_bytes: int = 32 << 20
     max_stop_strings: int = 64
     max_stop_length: int = 1024  # characters
+    # each choice carries its own copy of these lists to the tokenizer and the scheduler
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024
     max_queued_requests: int | None = None  # engine requests waiting for a first token
 
     def __post_init__(self) -> None:
         check_positive(
-            self, "max_n", "max_prompts", "max_request_bytes", "max_stop_strings", "max_stop_length"
-        )
+            self, "max_n", "max_prompts", "max_request_bytes", "max_stop_strings",
+            "max_stop_length", "max_stop_token_ids", "max_logit_bias",
+        )  # fmt: skip
         check_positive(self, "max_queued_requests", optional=True)
 
-    def check(self, n: int, num_prompts: int, stops: tuple[str, ...]) -> None:
-        """Raise ApiError(400) for a request over a limit."""
-        for ok, message in (
-            (n <= self.max_n, f"n must be at most {self.max_n}"),
-            (num_prompts <= self.max_prompts, f"at most {self.max_prompts} prompts per request"),
-            (len(stops) <= self.max_stop_strings, f"at most {self.max_stop_strings} stop strings"),
+    def check(self, n: int, num_prompts: int, params: SamplingParams) -> None:
+        """Raise ApiError(400), naming the field, for a request over a limit."""
+        stops = params.stop
+        for ok, field, message in (
+            (n <= self.max_n, "n", f"n must be at most {self.max_n}"),
+            (
+                num_prompts <= self.max_prompts,
+                "prompt",
+                f"at most {self.max_prompts} prompts per request",
+            ),
+            (
+                len(stops) <= self.max_stop_strings,
+                "stop",
+                f"at most {self.max_stop_strings} stop strings",
+            ),
             (
                 all(len(s) <= self.max_stop_length for s in stops),
+                "stop",
                 f"a stop string has at most {self.max_stop_length} characters",
+            ),
+            (
+                len(params.stop_token_ids) <= self.max_stop_token_ids,
+                "stop_token_ids",
+                f"at most {self.max_stop_token_ids} stop_token_ids",
+            ),
+            (
+                len(params.logit_bias) <= self.max_logit_bias,
+                "logit_bias",
+                f"logit_bias biases at most {self.max_logit_bias} tokens",
             ),
         ):
             if not ok:
-                raise ApiError(400, message)
+                raise ApiError(400, message, param=field)

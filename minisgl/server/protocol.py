@@ -18,7 +18,13 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from minisgl.core import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutput
+from minisgl.core import (
+    INT64_MAX,
+    INT64_MIN,
+    InvalidSamplingParam,
+    SamplingParams,
+    StructuredOutput,
+)
 
 from .errors import ApiError
 
@@ -39,8 +45,16 @@ IGNORED_FIELDS = frozenset(
 
 
 class _Strict(BaseModel):
+    """An object of a request body: a field sent as null counts as not sent, as OpenAI takes it
+    (clients send back their replies' nulls)."""
+
     model_config = ConfigDict(strict=True, extra="allow")  # the extra fields are checked below
     _ignored: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _refuse_unknown_fields(self) -> "_Strict":
@@ -51,16 +65,10 @@ class _Strict(BaseModel):
 
 
 class _Body(_Strict):
-    """A request's body; it may name the model it is for. A field sent as null counts as not
-    sent, as OpenAI takes it."""
+    """A request's body; it may name the model it is for."""
 
     _ignored = IGNORED_FIELDS
     model: str | None = None  # None: the served model
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_not_given(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 Body = TypeVar("Body", bound=_Body)
@@ -75,10 +83,9 @@ def parse_body(data: bytes, schema: type[Body]) -> Body:
     try:
         return schema.model_validate(obj)
     except ValidationError as e:
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()
-        )
-        raise ApiError(400, details) from None
+        errors = [(".".join(str(p) for p in err["loc"]), err["msg"]) for err in e.errors()]
+        details = "; ".join(f"{place or 'body'}: {message}" for place, message in errors)
+        raise ApiError(400, details, param=errors[0][0] or None) from None
 
 
 class StreamOptions(_Strict):
@@ -207,10 +214,10 @@ class _GenerateRequest(_Body):
         if self.logit_bias is not None:
             # int() would also take " 5", "+5", "5_0" and other scripts' digits
             if not all(token.isascii() and token.isdigit() for token in self.logit_bias):
-                raise ApiError(400, "logit_bias keys must be token ids")
+                raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias")
             bias = {int(token): value for token, value in self.logit_bias.items()}
             if len(bias) < len(self.logit_bias):
-                raise ApiError(400, "logit_bias names a token id twice")
+                raise ApiError(400, "logit_bias names a token id twice", param="logit_bias")
         given: dict[str, Any] = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         given.update(
             max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias, structured=self._structured()
@@ -220,8 +227,13 @@ class _GenerateRequest(_Body):
             values["max_tokens"] = None
         try:
             return SamplingParams(**values)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+        except InvalidSamplingParam as e:
+            name = self._request_field(e.name)
+            raise ApiError(400, f"{name} {e.requirement}", param=name) from None
+
+    def _request_field(self, name: str) -> str:
+        """The request's name for a SamplingParams field."""
+        return name
 
 
 class CompletionRequest(_GenerateRequest):
@@ -272,25 +284,42 @@ class ToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
+    """One message of a conversation. An assistant's may be the server's own reply sent back:
+    its reasoning (vLLM's `reasoning_content`, or `reasoning`) goes to the template, which
+    decides whether to show it, and a refusal stands for its content."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None only for an assistant's calls
     name: str | None = None  # the participant's, for the templates that write it
     tool_calls: list[ToolCall] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool's result: the call it answers
+    reasoning_content: str | None = None  # an assistant's
+    reasoning: str | None = None  # an assistant's: reasoning_content's newer name in vLLM
+    refusal: str | None = None  # an assistant's, instead of content
 
     @model_validator(mode="after")
     def _fields_fit_the_role(self) -> "ChatMessage":
-        if self.content is None and not self.tool_calls:
+        if self.content is None and self.refusal is None and not self.tool_calls:
             raise ValueError("content is required, unless an assistant message has tool_calls")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls are an assistant message's")
+        assistants = {
+            "tool_calls": self.tool_calls, "reasoning_content": self.reasoning_content,
+            "reasoning": self.reasoning, "refusal": self.refusal,
+        }  # fmt: skip
+        for field, value in assistants.items():
+            if value is not None and self.role != "assistant":
+                raise ValueError(f"{field} is an assistant message's")
+        if self.reasoning is not None and self.reasoning_content is not None:
+            raise ValueError("give reasoning_content or reasoning, not both")
+        if self.refusal is not None and self.content is not None:
+            raise ValueError("give content or refusal, not both")
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("tool_call_id is required in a tool message, and only there")
         return self
 
     def as_template_input(self) -> dict[str, Any]:
-        content = self.content or ""
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        content = self.content or self.refusal or ""
+        # text parts are joined by newlines, as vLLM joins them
+        text = content if isinstance(content, str) else "\n".join(p.text for p in content)
         # "developer" is OpenAI's newer name for the system role, which chat templates know
         message: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
@@ -298,6 +327,9 @@ class ChatMessage(_Strict):
         }
         if self.name is not None:
             message["name"] = self.name
+        reasoning = self.reasoning_content or self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if self.tool_calls:
             message["tool_calls"] = [
                 {
@@ -371,7 +403,7 @@ class ChatCompletionRequest(_GenerateRequest):
         tokenizer process checks, with the prompt's length). A `required` or named tool_choice
         constrains the reply to its calls' JSON."""
         if self.top_logprobs is not None and not self.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true")
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         given = (
             self.max_completion_tokens
             if self.max_completion_tokens is not None
@@ -387,6 +419,13 @@ class ChatCompletionRequest(_GenerateRequest):
                            "with another structured output")  # fmt: skip
         structured = _structured_output("json_schema", schema)
         return replace(params, structured=structured)
+
+    def _request_field(self, name: str) -> str:
+        if name == "logprobs":
+            return "top_logprobs"
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return name
 
     def tool_use(self) -> tuple[Literal["none", "auto", "required", "named"], str | None]:
         """How the reply is read for calls, and the named choice's function; raises ApiError(400)

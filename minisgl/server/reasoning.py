@@ -22,13 +22,15 @@ class Qwen3ReasoningParser:
     leading `<think>` is dropped, and a template that opened the block in the prompt leaves only
     `</think>` in the reply. A reply that never closes the block was cut short while thinking: it
     is all reasoning. With thinking off (`chat_template_kwargs: {"enable_thinking": false}`) the
-    whole reply is the answer."""
+    whole reply is the answer. So is a `constrained` reply (a structured output held it from its
+    first token: JSON, a regex, a choice) that does not open the block itself."""
 
     start, end = "<think>", "</think>"
 
-    def __init__(self, template_kwargs: dict[str, object]) -> None:
+    def __init__(self, template_kwargs: dict[str, object], constrained: bool = False) -> None:
         thinking = template_kwargs.get("enable_thinking", True) is not False
         self._state = "start" if thinking else "answer"  # start -> thinking -> answer
+        self._constrained = constrained
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -38,8 +40,9 @@ class Qwen3ReasoningParser:
             if self.start.startswith(text) and len(text) < len(self.start):
                 self._held = text
                 return "", ""
+            opened = text.startswith(self.start)
             text = text.removeprefix(self.start)
-            self._state = "thinking"
+            self._state = "thinking" if opened or not self._constrained else "answer"
         if self._state == "answer":
             return "", text
         reasoning, tag, answer = text.partition(self.end)
@@ -52,11 +55,15 @@ class Qwen3ReasoningParser:
 
     def finish(self) -> tuple[str, str]:
         """What was held back, once the reply has ended."""
-        held, self._held = self._held, ""  # only a thinking reply holds text back
-        return held, ""
+        held, self._held = self._held, ""
+        # held while thinking: a part of `</think>`; at the start: a part of `<think>`, which
+        # a constrained reply has not opened
+        opened = self._state == "thinking" or not self._constrained
+        return (held, "") if opened else ("", held)
 
 
-# name -> the parser of one reply, made from the request's chat_template_kwargs
-REASONING_PARSERS: dict[str, Callable[[dict[str, object]], Qwen3ReasoningParser]] = {
+# name -> the parser of one reply, made from the request's chat_template_kwargs and whether a
+# structured output constrains it
+REASONING_PARSERS: dict[str, Callable[[dict[str, object], bool], Qwen3ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser
 }

@@ -163,7 +163,8 @@ class ReplyParser:
 class ChatFormat(ReplyFormat):
     """With a `new_parser` (the server's --reasoning-parser, the request's tools), each choice's
     reply is parsed: reasoning_content, content (null when empty), tool_calls, and the
-    finish_reason `tool_calls` for a reply that made calls."""
+    finish_reason `tool_calls` for a reply that made calls (`stop` for a named tool_choice's, as
+    OpenAI's)."""
 
     id_prefix = "chatcmpl"
     object = "chat.completion"
@@ -195,8 +196,8 @@ class ChatFormat(ReplyFormat):
             message = self._message(reasoning, content, calls, parser, delta)
             if delta and not message and not first and not piece.logprobs and not piece.end:
                 return None  # all held back: nothing to send yet
-            if parser.num_calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+            if parser.tools is not None and parser.num_calls and finish_reason == "stop":
+                finish_reason = parser.tools.calls_finish_reason
         if delta:
             out["delta"] = {"role": "assistant", **message} if first else message
             if first and not message:

@@ -15,7 +15,7 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .reasoning import partial_tag_len
 
@@ -190,6 +190,7 @@ class HermesToolParser:
     content. Text after a call's arguments, up to `</tool_call>`, is dropped."""
 
     open, close = "<tool_call>", "</tool_call>"
+    calls_finish_reason: ClassVar[str] = "tool_calls"
 
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel
@@ -268,6 +269,8 @@ class JsonArrayToolParser:
     objects (the grammar makes it one), each a call; what follows the array is dropped. A reply
     that is not such an array (no grammar held it) is all content, up to its first call."""
 
+    calls_finish_reason: ClassVar[str] = "tool_calls"
+
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel
         self.reply = _Reply()
@@ -336,6 +339,9 @@ class JsonArrayToolParser:
 class NamedToolParser:
     """The reply of a named tool_choice: the arguments of that one call (the grammar makes it
     an object of the function's parameters)."""
+
+    # OpenAI ends a named choice's call with finish_reason stop
+    calls_finish_reason: ClassVar[str] = "stop"
 
     def __init__(self, name: str) -> None:
         self.name = name
