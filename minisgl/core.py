@@ -56,13 +56,15 @@ def _schema_depth(schema: object) -> int:
 @dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on the output text, compiled to a grammar in the scheduler process (xgrammar).
-    Exactly one kind is set."""
+    Exactly one kind is set. With `after` (one token of the model's vocabulary: a reasoning
+    parser's end tag, `</think>`), the output is free up to that token and held after it."""
 
     json_schema: str | Mapping[str, Any] | None = None  # a JSON schema: JSON text, or an object
     json_object: bool = False  # any JSON object
     regex: str | None = None
     choice: Sequence[str] | None = None  # one of these strings
     grammar: str | None = None  # EBNF, in xgrammar's dialect
+    after: str | None = None
 
     def __post_init__(self) -> None:
         if self.json_schema is not None and _schema_depth(self.json_schema) > MAX_SCHEMA_DEPTH:
@@ -75,7 +77,7 @@ class StructuredOutput:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"a structured output's json_schema is not JSON: {e}") from None
             object.__setattr__(self, "json_schema", text)
-        for name in ("json_schema", "regex", "grammar"):
+        for name in ("json_schema", "regex", "grammar", "after"):
             if not isinstance(getattr(self, name), (str, type(None))):
                 raise ValueError(f"a structured output's {name} must be a string")
         if not isinstance(self.json_object, bool):

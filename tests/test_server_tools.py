@@ -1,8 +1,11 @@
 """Tool calls and reasoning through /v1/chat/completions, on a small random Qwen3 with the real
 Qwen3 tokenizer and chat template, served with --tool-call-parser hermes and --reasoning-parser
 qwen3. Random weights write no `<tool_call>` or `<think>` of their own: the replies that need them
-are forced with a structured output (`structured_outputs: {"regex": …}`, vLLM's extra field);
-`required` and named tool choices are held to their calls' JSON by their own grammar."""
+are forced with a structured output (`structured_outputs: {"regex": …}`, vLLM's extra field) that
+holds the thinking too (--structured-outputs-in-reasoning); `required` and named tool choices are
+held to their calls' JSON by their own grammar. By default a structured output holds the reply
+from the end of its thinking (`thinking_server`), where a `</think>` forced by logit_bias ends
+the random weights' thinking."""
 
 import json
 from typing import Any
@@ -56,13 +59,24 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory: pytest.TempPathFactory):
-    s = ServerProcess(
+def _serve(checkpoint, tmp_path_factory: pytest.TempPathFactory, *flags: str) -> ServerProcess:
+    return ServerProcess(
         tmp_path_factory.mktemp("tools"), "--model", str(checkpoint("qwen3", tokenizer="qwen3")),
         "--served-model-name", "qwen", "--max-kv-tokens", str(MAX_KV_TOKENS), "--max-model-len",
-        str(MAX_KV_TOKENS), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        str(MAX_KV_TOKENS), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", *flags,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    s = _serve(checkpoint, tmp_path_factory, "--structured-outputs-in-reasoning")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def thinking_server(checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    s = _serve(checkpoint, tmp_path_factory)
     yield s
     s.stop()
 
@@ -202,8 +216,11 @@ def test_without_thinking_the_reply_is_all_content(server: ServerProcess, stream
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_json_mode_with_thinking_on_is_all_content(server: ServerProcess, stream: bool) -> None:
-    """The grammar holds the reply from its first token: it opens no thinking block."""
+def test_json_mode_held_from_the_first_token_is_all_content(
+    server: ServerProcess, stream: bool
+) -> None:
+    """With thinking on, the grammar holds the reply from its first token: it opens no thinking
+    block, so its JSON is the content."""
     got = _reply(server, stream, messages=QUESTION, seed=5, max_tokens=40,
                  response_format={"type": "json_object"})  # fmt: skip
     assert got[0]["reasoning"] is None and got[0]["content"], got
@@ -225,6 +242,41 @@ def test_a_reply_sent_back_brings_its_reasoning_to_the_template(server: ServerPr
     want = prompt_ids(load_tokenizer(QWEN3_TOKENIZER), None, history, None, None, {})
     assert second.usage.prompt_tokens == len(want)
     assert "<think>\nx\n</think>" in load_tokenizer(QWEN3_TOKENIZER).decode(want)
+
+
+END_OF_THINKING = {"logit_bias": {"151668": 100}}  # `</think>` in Qwen3's vocabulary
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_structured_output_holds_the_reply_from_the_end_of_its_thinking(
+    thinking_server: ServerProcess, stream: bool
+) -> None:
+    """As vLLM's: the thinking is free (random weights never close it within 12 tokens, and no
+    grammar made them write JSON), the answer after `</think>` is held; with thinking off, from
+    the first token."""
+    json_mode = {"type": "json_object"}
+    free = _reply(thinking_server, stream, messages=QUESTION, seed=5, max_tokens=12,
+                  response_format=json_mode)  # fmt: skip
+    assert free[0]["content"] is None and free[0]["finish_reason"] == "length", free
+    assert not free[0]["reasoning"].lstrip().startswith("{")
+    ended = _reply(thinking_server, stream, messages=QUESTION, seed=5, max_tokens=40,
+                   response_format=json_mode, extra_body=END_OF_THINKING)  # fmt: skip
+    assert ended[0]["reasoning"] is None and ended[0]["content"].startswith("{"), ended
+    off = _reply(thinking_server, stream, messages=QUESTION, seed=5, max_tokens=40,
+                 response_format=json_mode, chat_template_kwargs=NO_THINKING)  # fmt: skip
+    assert off[0]["reasoning"] is None and off[0]["content"].startswith("{"), off
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_tool_calls_follow_the_thinking(
+    thinking_server: ServerProcess, stream: bool
+) -> None:
+    got = _reply(thinking_server, stream, messages=QUESTION, tools=TOOLS, tool_choice="required",
+                 parallel_tool_calls=False, seed=7, extra_body=END_OF_THINKING)  # fmt: skip
+    reply = _without_ids(got[0])
+    assert reply["finish_reason"] == "tool_calls" and reply["content"] is None, reply
+    assert len(reply["calls"]) == 1
+    _check_arguments(*reply["calls"][0])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -225,3 +225,25 @@ def test_a_grammar_that_can_only_end_ends_before_min_tokens(stories_llm: LLM) ->
     assert held["text"] == free["text"] == "Lily"
     assert held["token_ids"] == free["token_ids"] and held["finish_reason"] == "stop"
     assert free["token_ids"][-1] in stories_llm.scheduler.eos_ids
+
+
+def test_offline_a_constraint_after_a_token_holds_only_what_follows_it(
+    llms: dict[bool, LLM], qwen3_path: str
+) -> None:
+    """`after="</think>"`: the tokens up to the first `</think>` are free, those after it follow
+    the regex; with overlap on and off alike. A forced `</think>` (logit_bias) is free to come
+    first only because the grammar waits for it."""
+    end = load_tokenizer(Path(qwen3_path)).convert_tokens_to_ids("</think>")
+    held = StructuredOutput(regex="ab", after="</think>")
+    forced = SamplingParams(temperature=0, max_tokens=8, logit_bias={end: 100.0}, structured=held)
+    free = SamplingParams(seed=4, max_tokens=6, structured=held)  # random weights: no `</think>`
+    for llm in llms.values():
+        got, thinking = llm.generate(["Q:", "Q:"], [forced, free], use_tqdm=False)
+        assert got["text"] == "</think>ab" and got["finish_reason"] == "stop", got
+        assert end not in thinking["token_ids"] and thinking["finish_reason"] == "length"
+        assert "ab" not in thinking["text"]  # no grammar held it
+        llm.scheduler.check_integrity()
+        assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
+    with pytest.raises(ValueError, match="not one"):
+        bad = StructuredOutput(regex="ab", after="</thinking>")
+        llms[True].generate(["Q:"], SamplingParams(structured=bad), use_tqdm=False)

@@ -1,6 +1,7 @@
 """Structured output: each constrained request's grammar (xgrammar, which vLLM and SGLang use),
 compiled on a thread of the scheduler process and cached per constraint, and the request's
 matcher, advanced by its tokens. The matcher fills the request's row of a batch's token masks.
+A constraint that starts `after` a token (the end of the thinking) waits for it unmatched.
 
 xgrammar imports torch, so it is imported here, in the scheduler, and only when a constraint
 arrives: its tokenizer tables took 1.3 s to build for Qwen3's vocabulary on a 2-core CPU.
@@ -10,6 +11,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +23,33 @@ CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently use
 _OBJECT_SCHEMA = '{"type": "object"}'
 
 
+@dataclass(frozen=True)
+class _Grammar:
+    compiled: Any  # xgrammar's CompiledGrammar
+    start_token: int | None  # the token after which it holds the output; None: from the first
+
+
+@dataclass(frozen=True)
+class _Compiler:
+    compiler: Any  # xgrammar's GrammarCompiler
+    tokenizer: Any
+
+
 class Grammars:
-    """The compiled grammars and the live matchers (by request id) of one scheduler."""
+    """The compiled grammars and the matchers (by request id) of one scheduler: those that hold
+    their request's tokens, and those waiting for their start token."""
 
     def __init__(self, model_path: Path, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self._model_path = model_path
         self._vocab_size = vocab_size
         self._eos_ids = list(eos_ids)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        self._compiler: Future[Any] | None = None
-        self._compiled: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
+        self._compiler: Future[_Compiler] | None = None
+        self._compiled: OrderedDict[StructuredOutput, Future[_Grammar]] = OrderedDict()
         self._matchers: dict[int, Any] = {}
+        self._waiting: dict[int, tuple[int, Any]] = {}  # rid -> (start token, matcher)
 
-    def compile(self, spec: StructuredOutput) -> Future[Any]:
+    def compile(self, spec: StructuredOutput) -> Future[_Grammar]:
         """The constraint's compiled grammar, compiling it on the grammar thread if new."""
         if self._compiler is None:
             self._compiler = self._thread.submit(self._new_compiler)
@@ -46,44 +62,62 @@ class Grammars:
         self._compiled.move_to_end(spec)
         return future
 
-    def _new_compiler(self) -> Any:
+    def _new_compiler(self) -> _Compiler:
         import xgrammar
 
         from minisgl.tokenizer.loader import load_tokenizer
 
+        tokenizer = load_tokenizer(self._model_path)
         info = xgrammar.TokenizerInfo.from_huggingface(
-            load_tokenizer(self._model_path),
+            tokenizer,
             vocab_size=self._vocab_size,
             stop_token_ids=self._eos_ids or None,  # None: the tokenizer's own
         )
-        return xgrammar.GrammarCompiler(info, max_threads=1)
+        return _Compiler(xgrammar.GrammarCompiler(info, max_threads=1), tokenizer)
 
     @staticmethod
-    def check(compiled: Future[Any]) -> Any:
+    def check(compiled: Future[_Grammar]) -> _Grammar:
         """The compiled grammar, once it is; raises ValueError if it failed to compile."""
         try:
             return compiled.result()
         except RuntimeError as e:  # xgrammar's error for a schema, regex or grammar it refuses
             raise ValueError(f"invalid structured output: {str(e).strip().splitlines()[-1]}") from e
 
-    def start(self, rid: int, compiled: Future[Any]) -> None:
-        """Give a request a matcher at the grammar's start; raises ValueError if it failed to
-        compile."""
+    def start(self, rid: int, compiled: Future[_Grammar]) -> None:
+        """Give a request a matcher at the grammar's start, holding its tokens now or once its
+        start token comes; raises ValueError if it failed to compile."""
         import xgrammar
 
-        self._matchers[rid] = xgrammar.GrammarMatcher(self.check(compiled))
+        grammar = self.check(compiled)
+        matcher = xgrammar.GrammarMatcher(grammar.compiled)
+        if grammar.start_token is None:
+            self._matchers[rid] = matcher
+        else:
+            self._waiting[rid] = (grammar.start_token, matcher)
 
     @property
     def active(self) -> bool:
         """Some request has a matcher."""
-        return bool(self._matchers)
+        return bool(self._matchers or self._waiting)
 
     def has(self, rid: int) -> bool:
+        """The request has a matcher (holding its tokens, or waiting for its start token): its
+        next step's mask depends on the token it samples now."""
+        return rid in self._matchers or rid in self._waiting
+
+    def holds(self, rid: int) -> bool:
+        """The request's grammar holds its next token."""
         return rid in self._matchers
 
     def accept(self, rid: int, token: int) -> bool:
-        """Advance a request's matcher by its sampled token; True when the grammar has ended (or
-        refuses the token, which the mask prevents)."""
+        """Advance a request's matcher by its sampled token (or start it, if that is its start
+        token); True when the grammar has ended (or refuses the token, which the mask prevents)."""
+        if rid in self._waiting:
+            start, matcher = self._waiting[rid]
+            if token == start:
+                del self._waiting[rid]
+                self._matchers[rid] = matcher
+            return False
         matcher = self._matchers[rid]
         return not matcher.accept_token(token) or matcher.is_terminated()
 
@@ -92,12 +126,27 @@ class Grammars:
 
     def drop(self, rid: int) -> None:
         self._matchers.pop(rid, None)
+        self._waiting.pop(rid, None)
 
 
-def _compile(compiler: Future[Any], spec: StructuredOutput) -> Any:
-    """The grammar of one constraint. JSON allows no free whitespace (vLLM's
-    disable_any_whitespace): sampled whitespace otherwise runs to the token limit."""
+def _compile(compiler: Future[_Compiler], spec: StructuredOutput) -> _Grammar:
+    """The grammar of one constraint, and the id of the token it starts after."""
     c = compiler.result()
+    start_token = None
+    if spec.after is not None:
+        ids = c.tokenizer.encode(spec.after, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(
+                f"a structured output after {spec.after!r}: that is {len(ids)} tokens of this "
+                "model's vocabulary, not one"
+            )
+        start_token = ids[0]
+    return _Grammar(_grammar(c.compiler, spec), start_token)
+
+
+def _grammar(c: Any, spec: StructuredOutput) -> Any:
+    """JSON allows no free whitespace (vLLM's disable_any_whitespace): sampled whitespace
+    otherwise runs to the token limit."""
     if spec.json_schema is not None:
         return c.compile_json_schema(spec.json_schema, any_whitespace=False)
     if spec.json_object:  # not strict: an object may have any properties

@@ -383,7 +383,7 @@ class Scheduler:
         rows = [
             i
             for i in processed
-            if self.grammars.has(reqs[i].rid) or reqs[i].num_sampled <= reqs[i].params.min_tokens
+            if self.grammars.holds(reqs[i].rid) or reqs[i].num_sampled <= reqs[i].params.min_tokens
         ]
         if not rows:
             return None
@@ -391,7 +391,7 @@ class Scheduler:
         words = bits.view(np.uint32)
         for j, i in enumerate(rows):
             req = reqs[i]
-            if self.grammars.has(req.rid):
+            if self.grammars.holds(req.rid):
                 assert len(req.token_ids) == req.device_len - 1, "its last token is on the host"
                 self.grammars.fill_mask(req.rid, bits, j)
             if req.num_sampled <= req.params.min_tokens:

@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import uvicorn
@@ -227,6 +228,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         body = await read_body(request, ChatCompletionRequest)
         params = body.sampling_params()
         args.limits.check(body.n, 1, params)
+        params = _held_after_thinking(args, body, params)
         fmt = ChatFormat(_reply_parser(args, body, params))
         messages = [m.as_template_input() for m in body.messages]
         choices = choice_params(params, body.n)
@@ -246,14 +248,32 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     return app
 
 
+def _held_after_thinking(
+    args: ServerArgs, body: ChatCompletionRequest, params: SamplingParams
+) -> SamplingParams:
+    """As vLLM's: with a reasoning parser, a structured output holds the reply from the end of its
+    thinking, where the template lets the model think (--structured-outputs-in-reasoning: from
+    its first token)."""
+    if (
+        params.structured is None
+        or args.reasoning_parser is None
+        or args.structured_outputs_in_reasoning
+    ):
+        return params
+    parser = REASONING_PARSERS[args.reasoning_parser]
+    if not parser.thinks(body.chat_template_kwargs or {}):
+        return params
+    return replace(params, structured=replace(params.structured, after=parser.end))
+
+
 def _reply_parser(
     args: ServerArgs, body: ChatCompletionRequest, params: SamplingParams
 ) -> Callable[[], ReplyParser] | None:
     """What reads each choice's reply: the server's reasoning parser, and the tool parser that
     fits the request's tool_choice (auto: the server's --tool-call-parser; required and named:
-    the JSON their grammar holds the reply to, which leaves no thinking to split off)."""
+    the JSON their grammar holds the reply to)."""
     mode, name = body.tool_use()
-    reasoning = args.reasoning_parser if mode in ("none", "auto") else None
+    reasoning = args.reasoning_parser
     if mode == "auto" and args.tool_call_parser is None:
         raise ApiError(400, "tools with tool_choice auto need the server started with "
                        "--tool-call-parser")  # fmt: skip
@@ -266,7 +286,7 @@ def _reply_parser(
     if reasoning is None and tools is None:
         return None
     kwargs = body.chat_template_kwargs or {}
-    constrained = params.structured is not None
+    constrained = params.structured is not None and params.structured.after is None
     return lambda: ReplyParser(
         None if reasoning is None else REASONING_PARSERS[reasoning](kwargs, constrained),
         None if tools is None else tools(),

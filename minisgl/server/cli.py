@@ -98,6 +98,9 @@ _HELP = {
     "calls)",
     "reasoning_parser": "split chat replies into reasoning_content (the model's thinking) and "
     "content",
+    "structured_outputs_in_reasoning": "with --reasoning-parser, hold a chat reply to its "
+    "structured output (response_format, a required or named tool_choice, ...) from its first "
+    "token, thinking included (default: from the end of the thinking, as vLLM)",
     "shell": "chat with the model in this terminal: /reset clears the history, /exit quits",
 }
 

@@ -5,8 +5,6 @@ A parser is fed the reply piece by piece, as it streams, and holds back only wha
 out to be a tag; fed the whole reply at once it gives the same texts, however the reply was split.
 """
 
-from collections.abc import Callable
-
 
 def partial_tag_len(text: str, tag: str) -> int:
     """The length of the longest end of `text` that starts `tag` (and may yet become it)."""
@@ -28,10 +26,14 @@ class Qwen3ReasoningParser:
     start, end = "<think>", "</think>"
 
     def __init__(self, template_kwargs: dict[str, object], constrained: bool = False) -> None:
-        thinking = template_kwargs.get("enable_thinking", True) is not False
-        self._state = "start" if thinking else "answer"  # start -> thinking -> answer
+        self._state = "start" if self.thinks(template_kwargs) else "answer"  # -> thinking -> answer
         self._constrained = constrained
         self._held = ""
+
+    @staticmethod
+    def thinks(template_kwargs: dict[str, object]) -> bool:
+        """The template lets the model think (a reply may open the block)."""
+        return template_kwargs.get("enable_thinking", True) is not False
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the answer that `text`, the reply's next piece, makes final."""
@@ -63,7 +65,5 @@ class Qwen3ReasoningParser:
 
 
 # name -> the parser of one reply, made from the request's chat_template_kwargs and whether a
-# structured output constrains it
-REASONING_PARSERS: dict[str, Callable[[dict[str, object], bool], Qwen3ReasoningParser]] = {
-    "qwen3": Qwen3ReasoningParser
-}
+# structured output holds it from its first token
+REASONING_PARSERS: dict[str, type[Qwen3ReasoningParser]] = {"qwen3": Qwen3ReasoningParser}
