@@ -165,20 +165,42 @@ def test_output_that_completes_a_character_the_prompt_began_keeps_all_its_text()
     assert at_once.step(output, _finished()) == ("中!!!", False)
 
 
-@pytest.mark.parametrize("tokenizer_path", [QWEN3_TOKENIZER, DEFAULT_MODEL_PATH], ids=["bpe", "sp"])
-def test_a_run_of_tokens_that_decode_to_u_fffd_streams_as_it_comes(tokenizer_path) -> None:
-    """A lone byte no character continues (a byte-level BPE's, or sentencepiece's byte
-    fallback) is U+FFFD for good once three more tokens leave it so: it goes out then, rather
-    than at the end of the run."""
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
-    lone = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == "\ufffd")
-    ids = [lone] * 200 + tokenizer.encode(" ok", add_special_tokens=False)
-    pieces, detok = _stream(tokenizer, ids)
+def _whole(tokenizer: PreTrainedTokenizerBase, ids: list[int], prompt: str = "Say:") -> str:
+    """The output's text as the whole sequence decodes."""
+    prompt_ids = tokenizer.encode(prompt)
+    skip = len(tokenizer.decode(prompt_ids, skip_special_tokens=True))
+    return tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)[skip:]
+
+
+def test_a_run_of_tokens_that_decode_to_u_fffd_streams_as_it_comes(
+    qwen3: PreTrainedTokenizerBase,
+) -> None:
+    """A lone byte no character continues is U+FFFD for good once three more tokens (a byte each
+    at least) leave it so: it goes out then, rather than at the end of the run."""
+    lone = next(t for t in range(qwen3.vocab_size) if qwen3.decode([t]) == "\ufffd")
+    ids = [lone] * 200 + qwen3.encode(" ok")
+    pieces, detok = _stream(qwen3, ids)
     assert all(pieces[3:200]), pieces[:8]  # each step's token, three steps later
-    prompt = tokenizer.encode("Say:")
-    whole = tokenizer.decode(prompt + ids, skip_special_tokens=True)
-    assert (
-        "".join(pieces)
-        == detok.text
-        == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]
-    )
+    assert "".join(pieces) == detok.text == _whole(qwen3, ids)
+
+
+def test_tokens_without_bytes_do_not_settle_a_character_they_split(
+    qwen3: PreTrainedTokenizerBase,
+) -> None:
+    """Ids past the tokenizer's vocabulary (the model's is larger) and special tokens decode to
+    nothing: three of them between a character's bytes leave it to be completed."""
+    first, rest = qwen3.encode("𠀋")[:1], qwen3.encode("𠀋")[1:]
+    assert rest, "𠀋 is one token"
+    for gap in ([len(qwen3)] * 3, [qwen3.convert_tokens_to_ids("<|im_end|>")] * 3):
+        ids = first + gap + rest + qwen3.encode(" ok")
+        pieces, _ = _stream(qwen3, ids)
+        assert "".join(pieces) == _whole(qwen3, ids) == "𠀋 ok", pieces
+
+
+def test_a_byte_fallback_run_streams_the_text_the_whole_run_decodes_to() -> None:
+    """sentencepiece's ByteFallback makes every byte of an invalid run U+FFFD, valid ones too:
+    the run's text waits for its end."""
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_PATH))
+    ids = tokenizer.convert_tokens_to_ids(["<0x8A>", "<0x41>", "<0x42>", "<0x43>", "<0x44>"])
+    pieces, detok = _stream(tokenizer, ids, prompt="Hi")
+    assert "".join(pieces) == detok.text == _whole(tokenizer, ids, prompt="Hi") == "\ufffd" * 5

@@ -174,3 +174,18 @@ def test_vllm_flags_reach_the_server(tmp_path: Path) -> None:
         assert "INFO:" not in server.log()  # --log-level warning: no access log lines either
     finally:
         server.stop()
+
+
+def test_a_process_that_exits_now_exits_with_its_code_even_if_its_stdout_is_closed() -> None:
+    """A TP rank leaves with exit_now (no interpreter teardown); a stdout that fails to flush
+    must not keep it alive."""
+    script = (
+        "import sys\n"
+        "from minisgl.utils.process import exit_now\n"
+        "print('buffered', end='')\n"
+        "sys.stdout.close()\n"
+        "exit_now(3)\n"
+        "sys.exit(0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert done.returncode == 3, done.stderr

@@ -160,6 +160,18 @@ def test_reply_fields_only_in_an_assistant_message(server: ServerProcess, messag
     assert response.status_code == 400 and error in response.json()["error"]["message"]
 
 
+def test_a_reply_cut_short_while_thinking_may_be_sent_back(server: ServerProcess) -> None:
+    """Its content is null: all it wrote was reasoning."""
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "reasoning_content": "Let me"},
+        {"role": "user", "content": "Go on"},
+    ]
+    body = BASE["/v1/chat/completions"] | {"messages": messages}
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+
+
 def test_an_assistant_message_may_be_a_refusal(server: ServerProcess) -> None:
     history = [
         {"role": "user", "content": "Hi"},
@@ -194,6 +206,8 @@ def test_text_parts_are_joined_by_newlines() -> None:
         ("/v1/completions", {"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
         ("/v1/completions", {"temperature": "hot"}, "temperature", "temperature:"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0", "content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+         "messages.0.content", "valid string"),
         ("/v1/completions", {"n": 129}, "n", "n must be at most 128"),
         ("/v1/completions", {"stop_token_ids": list(range(1025))}, "stop_token_ids",
          "at most 1024 stop_token_ids"),

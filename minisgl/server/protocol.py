@@ -13,6 +13,7 @@ output, the JSON schema of its calls, as in vLLM (responses.py reads the calls o
 """
 
 from dataclasses import replace
+from functools import cache
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import orjson
@@ -83,9 +84,28 @@ def parse_body(data: bytes, schema: type[Body]) -> Body:
     try:
         return schema.model_validate(obj)
     except ValidationError as e:
-        errors = [(".".join(str(p) for p in err["loc"]), err["msg"]) for err in e.errors()]
+        errors = [(_place(err["loc"]), err["msg"]) for err in e.errors()]
         details = "; ".join(f"{place or 'body'}: {message}" for place, message in errors)
         raise ApiError(400, details, param=errors[0][0] or None) from None
+
+
+def _place(loc: tuple[int | str, ...]) -> str:
+    """Where in the body a validation error is, as the request names it: its fields and list
+    indexes, without the tags of the union members pydantic tried (`str`, `list[TextPart]`)."""
+    return ".".join(str(part) for part in loc if isinstance(part, int) or part in _field_names())
+
+
+@cache
+def _field_names() -> frozenset[str]:
+    """Every field name (and alias) of every request schema."""
+    names: set[str] = set()
+    schemas: list[type[BaseModel]] = [_Strict]
+    while schemas:
+        schema = schemas.pop()
+        schemas += schema.__subclasses__()
+        for name, info in schema.model_fields.items():
+            names.update(n for n in (name, info.alias) if n is not None)
+    return frozenset(names)
 
 
 class StreamOptions(_Strict):
@@ -299,8 +319,12 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _fields_fit_the_role(self) -> "ChatMessage":
-        if self.content is None and self.refusal is None and not self.tool_calls:
-            raise ValueError("content is required, unless an assistant message has tool_calls")
+        reply = self.tool_calls or self.refusal or self.reasoning_content or self.reasoning
+        if self.content is None and not reply:
+            raise ValueError(
+                "content is required, unless an assistant message has tool_calls, a refusal or "
+                "reasoning (a reply cut short while thinking)"
+            )
         assistants = {
             "tool_calls": self.tool_calls, "reasoning_content": self.reasoning_content,
             "reasoning": self.reasoning, "refusal": self.refusal,

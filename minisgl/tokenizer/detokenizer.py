@@ -25,6 +25,15 @@ _HELD_TOKENS = 3
 _NO_STOP = SamplingParams()
 
 
+def _bytes_settle(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """A character's bytes decode alike whatever tokens follow them once it is complete or
+    broken: not with sentencepiece's ByteFallback, which makes every byte of an invalid run
+    U+FFFD, so that a run's text depends on bytes any number of tokens later."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = None if backend is None else backend.decoder
+    return decoder is not None and b'"ByteFallback"' not in decoder.__getstate__()
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -46,6 +55,7 @@ class IncrementalDetokenizer:
         self._released = 0  # characters of self.text already handed out
         self.num_tokens = 0  # output tokens given, up to the one that completed a stop string
         self.matched_stop: str | None = None  # the stop string that ended the text
+        self._bytes_settle = _bytes_settle(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -60,8 +70,10 @@ class IncrementalDetokenizer:
             start = len(prefix_text.rstrip("\ufffd"))
         if len(new_text) > start and (final or not new_text.endswith("\ufffd")):
             self._release(new_text[start:], len(self._ids))
-        elif len(self._ids) - self._read_offset > _HELD_TOKENS and not self._has_special(
-            self._ids[-_HELD_TOKENS:]
+        elif (
+            self._bytes_settle
+            and len(self._ids) - self._read_offset > _HELD_TOKENS
+            and self._have_bytes(self._ids[-_HELD_TOKENS:])
         ):
             # a U+FFFD that the last tokens leave in place is no half character: its text goes
             # out, so that a run of such tokens is not decoded again at every step
@@ -77,9 +89,11 @@ class IncrementalDetokenizer:
         del self._ids[: self._read_offset]
         self._prefix_offset, self._read_offset = 0, end - self._read_offset
 
-    def _has_special(self, ids: list[int]) -> bool:
-        """Any of `ids` is a special token, which decodes to no bytes."""
-        return not set(ids).isdisjoint(self._tokenizer.all_special_ids)
+    def _have_bytes(self, ids: list[int]) -> bool:
+        """Each of `ids` decodes to a byte at least: none is a special token, or past the
+        tokenizer's vocabulary (the model's may be larger)."""
+        known = len(self._tokenizer)
+        return all(i < known for i in ids) and set(ids).isdisjoint(self._tokenizer.all_special_ids)
 
     def step(self, token_ids: Sequence[int], finish: Finished | None = None) -> tuple[str, bool]:
         """Add sampled tokens (one per step when streaming or matching stop strings; all at once

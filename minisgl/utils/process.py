@@ -70,10 +70,12 @@ def exit_now(code: int) -> None:
     """Ends this process with `code` once its logs and output are written, without the
     interpreter's teardown: where a TP rank's gloo groups lived, that teardown aborted (SIGABRT) 3
     of 20 exits of a scratch repro, and one CI run even after the groups were destroyed."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:  # a closed or broken stdout must not keep the process alive
+        os._exit(code)
 
 
 def _exit_on_thread_error(args: threading.ExceptHookArgs) -> None:
