@@ -244,6 +244,8 @@ def test_offline_a_constraint_after_a_token_holds_only_what_follows_it(
         assert "ab" not in thinking["text"]  # no grammar held it
         llm.scheduler.check_integrity()
         assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
+    grammars = llms[True].scheduler.grammars  # one compile, whatever token it starts after
+    assert grammars.compile(held) is grammars.compile(replace(held, after=None))
     with pytest.raises(ValueError, match="not one"):
         bad = StructuredOutput(regex="ab", after="</thinking>")
         llms[True].generate(["Q:"], SamplingParams(structured=bad), use_tqdm=False)

@@ -11,7 +11,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,6 @@ from minisgl.core import StructuredOutput
 
 CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently used dropped first
 _OBJECT_SCHEMA = '{"type": "object"}'
-
-
-@dataclass(frozen=True)
-class _Grammar:
-    compiled: Any  # xgrammar's CompiledGrammar
-    start_token: int | None  # the token after which it holds the output; None: from the first
 
 
 @dataclass(frozen=True)
@@ -45,21 +39,23 @@ class Grammars:
         self._eos_ids = list(eos_ids)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._compiler: Future[_Compiler] | None = None
-        self._compiled: OrderedDict[StructuredOutput, Future[_Grammar]] = OrderedDict()
+        self._compiled: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
         self._matchers: dict[int, Any] = {}
         self._waiting: dict[int, tuple[int, Any]] = {}  # rid -> (start token, matcher)
 
-    def compile(self, spec: StructuredOutput) -> Future[_Grammar]:
-        """The constraint's compiled grammar, compiling it on the grammar thread if new."""
+    def compile(self, spec: StructuredOutput) -> Future[Any]:
+        """The constraint's compiled grammar (whatever token it starts after), compiling it on the
+        grammar thread if new."""
         if self._compiler is None:
             self._compiler = self._thread.submit(self._new_compiler)
-        future = self._compiled.get(spec)
+        key = spec if spec.after is None else replace(spec, after=None)
+        future = self._compiled.get(key)
         if future is None:
-            future = self._thread.submit(_compile, self._compiler, spec)
-            self._compiled[spec] = future
+            future = self._thread.submit(_compile, self._compiler, key)
+            self._compiled[key] = future
             if len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(spec)
+        self._compiled.move_to_end(key)
         return future
 
     def _new_compiler(self) -> _Compiler:
@@ -75,25 +71,35 @@ class Grammars:
         )
         return _Compiler(xgrammar.GrammarCompiler(info, max_threads=1), tokenizer)
 
-    @staticmethod
-    def check(compiled: Future[_Grammar]) -> _Grammar:
-        """The compiled grammar, once it is; raises ValueError if it failed to compile."""
+    def check(self, spec: StructuredOutput, compiled: Future[Any]) -> tuple[Any, int | None]:
+        """The compiled grammar, once it is, and the id of the token it starts after (None: from
+        the first); raises ValueError if it failed to compile, or `after` is no one token."""
         try:
-            return compiled.result()
+            grammar = compiled.result()
         except RuntimeError as e:  # xgrammar's error for a schema, regex or grammar it refuses
             raise ValueError(f"invalid structured output: {str(e).strip().splitlines()[-1]}") from e
+        if spec.after is None:
+            return grammar, None
+        assert self._compiler is not None, "a grammar compiled before its compiler"
+        ids = self._compiler.result().tokenizer.encode(spec.after, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(
+                f"a structured output after {spec.after!r}: that is {len(ids)} tokens of this "
+                "model's vocabulary, not one"
+            )
+        return grammar, ids[0]
 
-    def start(self, rid: int, compiled: Future[_Grammar]) -> None:
+    def start(self, rid: int, spec: StructuredOutput, compiled: Future[Any]) -> None:
         """Give a request a matcher at the grammar's start, holding its tokens now or once its
-        start token comes; raises ValueError if it failed to compile."""
+        start token comes; raises ValueError as `check` does."""
         import xgrammar
 
-        grammar = self.check(compiled)
-        matcher = xgrammar.GrammarMatcher(grammar.compiled)
-        if grammar.start_token is None:
+        grammar, start_token = self.check(spec, compiled)
+        matcher = xgrammar.GrammarMatcher(grammar)
+        if start_token is None:
             self._matchers[rid] = matcher
         else:
-            self._waiting[rid] = (grammar.start_token, matcher)
+            self._waiting[rid] = (start_token, matcher)
 
     @property
     def active(self) -> bool:
@@ -129,24 +135,10 @@ class Grammars:
         self._waiting.pop(rid, None)
 
 
-def _compile(compiler: Future[_Compiler], spec: StructuredOutput) -> _Grammar:
-    """The grammar of one constraint, and the id of the token it starts after."""
-    c = compiler.result()
-    start_token = None
-    if spec.after is not None:
-        ids = c.tokenizer.encode(spec.after, add_special_tokens=False)
-        if len(ids) != 1:
-            raise ValueError(
-                f"a structured output after {spec.after!r}: that is {len(ids)} tokens of this "
-                "model's vocabulary, not one"
-            )
-        start_token = ids[0]
-    return _Grammar(_grammar(c.compiler, spec), start_token)
-
-
-def _grammar(c: Any, spec: StructuredOutput) -> Any:
-    """JSON allows no free whitespace (vLLM's disable_any_whitespace): sampled whitespace
-    otherwise runs to the token limit."""
+def _compile(compiler: Future[_Compiler], spec: StructuredOutput) -> Any:
+    """The grammar of one constraint. JSON allows no free whitespace (vLLM's
+    disable_any_whitespace): sampled whitespace otherwise runs to the token limit."""
+    c = compiler.result().compiler
     if spec.json_schema is not None:
         return c.compile_json_schema(spec.json_schema, any_whitespace=False)
     if spec.json_object:  # not strict: an object may have any properties

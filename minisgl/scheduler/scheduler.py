@@ -96,7 +96,7 @@ class Scheduler:
         if self._wait_for_grammars:
             specs = dict.fromkeys(p.structured for _, _, p in requests if p.structured is not None)
             for spec in specs:  # in order: the first bad one's error is every rank's
-                self.grammars.check(self.grammars.compile(spec))
+                self.grammars.check(spec, self.grammars.compile(spec))
         for rid, prompt_ids, params in requests:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             req = Req(rid=rid, token_ids=list(prompt_ids), params=params, seed=seed)
@@ -179,7 +179,7 @@ class Scheduler:
                 continue
             del self._compiling[rid]
             try:
-                self.grammars.start(rid, future)
+                self.grammars.start(rid, req.params.structured, future)
             except ValueError as e:
                 self._forget(req)
                 self._errors.append(ReqError(rid, str(e)))
