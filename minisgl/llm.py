@@ -29,6 +29,7 @@ from minisgl.messages import AbortRequest, AddRequests, Finished, FlushPrefixCac
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.lockstep import Message
 from minisgl.scheduler.worker import SchedulerWorker, start_worker
+from minisgl.server.protocol import template_messages
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 from minisgl.utils import resolve_model_path
@@ -36,7 +37,8 @@ from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.process import local_init_method, start_child
 from minisgl.utils.torch_utils import resolve_device
 
-Prompt = str | list[int]
+# text, token ids, or vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}
+Prompt = str | list[int] | dict[str, Any]
 _PLACEMENT = ("tp_rank", "nnodes", "dist_init_method")  # the LLM places its ranks itself
 _STOP_TIMEOUT_S = 30.0
 
@@ -97,15 +99,20 @@ class LLM:
             prompts = [prompts]
         if prompts and all(isinstance(p, int) for p in prompts):
             raise ValueError("pass token ids as a list of lists: [[id, id, ...], ...]")
+        if isinstance(prompts, dict):
+            prompts = [prompts]
         out = []
         for p in prompts:
+            if isinstance(p, dict):
+                p = _prompt_of(p)
             if isinstance(p, str):
                 out.append(self.tokenizer.encode(p))
             elif isinstance(p, (list, tuple)):
                 out.append(list(p))
             else:
                 raise ValueError(
-                    f"a prompt must be a str or a list of token ids, not {type(p).__name__}"
+                    "a prompt must be a str, a list of token ids or vLLM's prompt dict, not "
+                    f"{type(p).__name__}"
                 )
         return out
 
@@ -179,14 +186,23 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
-        """`generate` on one conversation (or a list of them) rendered with the model's chat
-        template, as the server's /v1/chat/completions renders it."""
+        """`generate` on one conversation (or a list of them) in OpenAI's message format (text
+        parts, tool calls, ...), rendered with the model's chat template, its tools and its own
+        variables, as the server's /v1/chat/completions renders it; raises ValueError for a
+        message the server would refuse."""
         chats = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [prompt_ids(self.tokenizer, None, chat) for chat in chats]  # type: ignore[arg-type]
+        ids = [
+            prompt_ids(
+                self.tokenizer, None, template_messages(chat), None, tools, chat_template_kwargs
+            )
+            for chat in chats
+        ]
         return self.generate(ids, sampling_params, use_tqdm)
 
     @staticmethod
@@ -275,3 +291,14 @@ def _offline_chunk_size(device: torch.device) -> int:
         return offline_chunk_size(device.type)
     properties = torch.cuda.get_device_properties(device)
     return offline_chunk_size(device.type, properties.total_memory, properties.name)
+
+
+def _prompt_of(prompt: dict[str, Any]) -> str | list[int]:
+    """vLLM's TextPrompt or TokensPrompt: its text or its token ids."""
+    if set(prompt) == {"prompt"}:
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    raise ValueError(
+        f'a prompt dict holds "prompt" or "prompt_token_ids" alone, not {", ".join(sorted(prompt))}'
+    )

@@ -510,3 +510,29 @@ def test_chat_renders_the_template_as_the_server_does() -> None:
     want = llm.generate([ids], params, use_tqdm=False)[0]
     assert llm.chat(chat, params, use_tqdm=False)[0]["token_ids"] == want["token_ids"]
     assert len(llm.chat([chat, chat], params, use_tqdm=False)) == 2
+    # OpenAI's message format, as the server reads it: text parts, the developer role
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Once upon a time"}]}]
+    assert llm.chat(parts, params, use_tqdm=False)[0]["token_ids"] == want["token_ids"]
+    developer = [{"role": "developer", "content": "Be brief."}, *chat]
+    system = [{"role": "system", "content": "Be brief."}, *chat]
+    as_system = [
+        (r["token_ids"], r["prompt_tokens"])
+        for r in llm.chat([developer, system, chat], params, use_tqdm=False)
+    ]
+    assert as_system[0] == as_system[1] and as_system[1][1] > as_system[2][1]
+    with pytest.raises(ValueError, match="content is required"):
+        llm.chat([{"role": "user"}], params, use_tqdm=False)
+    # the template's own variables, as the server's chat_template_kwargs
+    with pytest.raises(ValueError, match="may not set"):
+        llm.chat(chat, params, use_tqdm=False, chat_template_kwargs={"messages": []})
+
+
+def test_vllm_prompt_dicts_are_their_text_or_token_ids(stories_llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=6)
+    want = stories_llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
+    ids = stories_llm.tokenizer.encode("Once upon a time")
+    for prompt in ({"prompt": "Once upon a time"}, {"prompt_token_ids": ids}):
+        assert stories_llm.generate(prompt, params, use_tqdm=False)[0]["text"] == want["text"]
+        assert stories_llm.generate([prompt], params, use_tqdm=False)[0]["text"] == want["text"]
+    with pytest.raises(ValueError, match="alone"):
+        stories_llm.generate({"prompt": "a", "multi_modal_data": {}}, params, use_tqdm=False)

@@ -63,6 +63,7 @@ def _model_dir(tmp_path: Path, weights: bool = True, tokenizer: bool = True, **c
         (["--device", "cpu", "--request-timeout", "nan"], "a finite number of seconds"),
         (["--device", "cpu", "--health-timeout", "0.3"], "--health-timeout must be at least 1 s"),
         (["--device", "cpu", "--chat-template", "/nonexistent/t.jinja"], "no readable file"),
+        (["--device", "cpu", "--chat-template", "{% if %}"], "--chat-template is no Jinja"),
         (["--device", "cpu", "--tp", "3"], "--tp 3 must divide the model's attention heads (8)"),
     ],
 )

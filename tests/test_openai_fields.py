@@ -222,3 +222,15 @@ def test_an_error_names_its_field_in_param(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+def test_choices_that_would_carry_too_many_params_are_a_400(server: ServerProcess) -> None:
+    """88 KB of body, 262,144 engine requests each with its own copy of 80 KB of params: refused
+    before the tokenizer copies them, and the server serves on."""
+    body = BASE["/v1/completions"] | {
+        "prompt": [[1]] * 2048, "n": 128, "max_tokens": 1, "stop": ["x" * 1024] * 64,
+        "stop_token_ids": list(range(1024)), "logit_bias": {str(i): 1.0 for i in range(1024)},
+    }  # fmt: skip
+    response = server.post("/v1/completions", json=body)
+    assert response.status_code == 400 and "MiB of sampling parameters" in response.text
+    assert server.post("/v1/completions", json=BASE["/v1/completions"]).status_code == 200

@@ -130,6 +130,9 @@ def test_chat_errors(server: ServerProcess, qwen3_path: str) -> None:
     too_long = [{"role": "user", "content": "猫 " * MAX_KV_TOKENS}]
     response = post({"messages": too_long, "stream": True})
     assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
+    # a template variable may not replace one of the template's globals
+    shadow = post({"messages": MESSAGES, "chat_template_kwargs": {"namespace": 1}})
+    assert shadow.status_code == 400 and "may not set namespace" in shadow.text
     assert post({"messages": MESSAGES, "max_tokens": 1}).status_code == 200
     assert_clean(server, before, qwen3_path)
 

@@ -83,6 +83,8 @@ _HELP = {
     "max_stop_length": "characters per stop string at most",
     "max_stop_token_ids": "stop_token_ids per request at most",
     "max_logit_bias": "tokens a request's logit_bias biases at most",
+    "max_params_bytes": "bytes of sampling parameters a request's choices (prompts x n, each "
+    "with its own copy) carry to the engine at most",
     "max_queued_requests": "requests waiting for their first token at most; more get a 429 "
     "(default: no limit)",
     "request_timeout": "seconds a request may run before it is stopped with a 400 whose code is "

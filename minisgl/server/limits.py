@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from minisgl.config import check_positive
 from minisgl.core import SamplingParams
+from minisgl.messages import encode
 
 from .errors import ApiError
 
@@ -19,12 +20,15 @@ class RequestLimits:
     # each choice carries its own copy of these lists to the tokenizer and the scheduler
     max_stop_token_ids: int = 1024
     max_logit_bias: int = 1024
+    # every choice of every prompt carries its own copy of the params through the tokenizer to
+    # the scheduler: 2,048 prompts x n 128 of the largest params above would be ~21 GB
+    max_params_bytes: int = 64 << 20
     max_queued_requests: int | None = None  # engine requests waiting for a first token
 
     def __post_init__(self) -> None:
         check_positive(
             self, "max_n", "max_prompts", "max_request_bytes", "max_stop_strings",
-            "max_stop_length", "max_stop_token_ids", "max_logit_bias",
+            "max_stop_length", "max_stop_token_ids", "max_logit_bias", "max_params_bytes",
         )  # fmt: skip
         check_positive(self, "max_queued_requests", optional=True)
 
@@ -61,3 +65,11 @@ class RequestLimits:
         ):
             if not ok:
                 raise ApiError(400, message, param=field)
+        carried = len(encode(params)) * n * num_prompts
+        if carried > self.max_params_bytes:
+            raise ApiError(
+                400,
+                f"{num_prompts} prompts x n {n} would carry {carried / 2**20:.0f} MiB of sampling "
+                f"parameters to the engine; at most {self.max_params_bytes / 2**20:.0f} MiB: send "
+                "fewer prompts or choices, or shorter stop lists",
+            )

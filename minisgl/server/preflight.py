@@ -12,7 +12,7 @@ from minisgl.config import check_kv_capacity, kv_pages, max_seq_len
 from minisgl.kvcache import PREFIX_CACHES
 from minisgl.models.config import ModelConfig
 from minisgl.moe import MOE_BACKENDS
-from minisgl.tokenizer.loader import check_tokenizer
+from minisgl.tokenizer.loader import check_chat_template, check_tokenizer, load_tokenizer
 from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 
@@ -56,6 +56,8 @@ def _check_model(args: ServerArgs) -> None:
     if not engine.dummy_weights and not any(path.glob("*.safetensors")):
         raise ValueError(f"{path} holds no *.safetensors weights (--dummy-weights for random ones)")
     check_tokenizer(path)
+    if args.chat_template is not None:
+        check_chat_template(load_tokenizer(path), args.chat_template)
     try:
         config = ModelConfig.from_hf(cached_load_hf_config(path))
     except (OSError, KeyError) as e:

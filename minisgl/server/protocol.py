@@ -12,12 +12,13 @@ Chat's tools go to the chat template; a `required` or named tool_choice becomes 
 output, the JSON schema of its calls, as in vLLM (responses.py reads the calls out of the reply).
 """
 
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import cache
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from minisgl.core import (
     INT64_MAX,
@@ -84,9 +85,15 @@ def parse_body(data: bytes, schema: type[Body]) -> Body:
     try:
         return schema.model_validate(obj)
     except ValidationError as e:
-        errors = [(_place(err["loc"]), err["msg"]) for err in e.errors()]
-        details = "; ".join(f"{place or 'body'}: {message}" for place, message in errors)
-        raise ApiError(400, details, param=errors[0][0] or None) from None
+        param, details = _explain(e)
+        raise ApiError(400, details, param=param) from None
+
+
+def _explain(e: ValidationError) -> tuple[str | None, str]:
+    """Where the first error is (None: the whole), and what each error is, where."""
+    errors = [(_place(err["loc"]), err["msg"]) for err in e.errors()]
+    details = "; ".join(f"{place or 'body'}: {message}" for place, message in errors)
+    return errors[0][0] or None, details
 
 
 def _place(loc: tuple[int | str, ...]) -> str:
@@ -369,6 +376,19 @@ class ChatMessage(_Strict):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
+
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def template_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """OpenAI-format messages (the offline LLM.chat's) as the chat template takes them, as the
+    server's chat route passes them; raises ValueError naming what is wrong."""
+    try:
+        parsed = _MESSAGES.validate_python(list(messages))
+    except ValidationError as e:
+        raise ValueError(f"messages.{_explain(e)[1]}") from None
+    return [m.as_template_input() for m in parsed]
 
 
 class FunctionDefinition(_Strict):

@@ -12,16 +12,30 @@ from transformers import PreTrainedTokenizerFast
 from minisgl.config import ConfigError
 
 Tokenizer = PreTrainedTokenizerFast
-# what apply_chat_template sets itself: a template variable of the request's may not replace one
-_RENDER_NAMES = {*inspect.signature(Tokenizer.apply_chat_template).parameters, "messages"} - {
-    "kwargs"
-}
+# what apply_chat_template sets itself, and the globals of its Jinja environment (Jinja's own,
+# transformers' raise_exception and strftime_now): a request's template variable may replace none
+_RENDER_NAMES = (
+    {*inspect.signature(Tokenizer.apply_chat_template).parameters, "messages"} - {"kwargs"}
+) | {*jinja2.defaults.DEFAULT_NAMESPACE, "raise_exception", "strftime_now"}
 
 
 def check_tokenizer(model_path: Path) -> None:
     """Raise ConfigError unless the directory holds a fast tokenizer."""
     if not (model_path / "tokenizer.json").is_file():
         raise ConfigError(f"{model_path} has no tokenizer.json (a fast tokenizer is required)")
+
+
+def check_chat_template(tokenizer: Tokenizer, chat_template: str) -> None:
+    """Raise ConfigError if a template given instead of the model's is no Jinja template: every
+    chat would otherwise get a 400 for the operator's mistake."""
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}], chat_template=chat_template, tokenize=False
+        )
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"--chat-template is no Jinja template: {e}") from None
+    except jinja2.TemplateError:  # its own checks, which a real conversation may pass
+        pass
 
 
 def load_tokenizer(model_path: Path) -> Tokenizer:
@@ -56,7 +70,7 @@ def prompt_ids(
                 add_generation_prompt=True,
                 **kwargs,
             )
-        except jinja2.TemplateError as e:
+        except Exception as e:  # a template is code: its rendering may raise anything
             raise ValueError(f"cannot apply the chat template: {e}") from e
         # the template writes any BOS itself; encoding must not add a second one
         return tokenizer.encode(text, add_special_tokens=False)
