@@ -72,6 +72,8 @@ class TokenizerQuery:
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     ids: list[int] | None = None
+    tools: list[dict[str, Any]] | None = None  # a chat's, as TokenizeRequest's
+    template_kwargs: dict[str, Any] | None = None
 
 
 @_wire

@@ -178,6 +178,11 @@ def test_tools_and_the_history_reach_the_template(server: ServerProcess) -> None
         {**call, "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}, history[2]]  # fmt: skip
     want = prompt_ids(tokenizer, None, template_history, None, TOOLS, NO_THINKING)
     assert got.usage.prompt_tokens == len(want)
+    # /tokenize counts the same prompt, given what the chat request gave the template
+    chat = {"messages": history, "tools": TOOLS, "chat_template_kwargs": NO_THINKING}
+    assert server.post("/tokenize", json=chat).json()["tokens"] == want
+    refused = server.post("/tokenize", json={"prompt": "Hi", "tools": TOOLS})
+    assert refused.status_code == 400 and "give messages" in refused.text
     text = tokenizer.decode(want)
     assert '"name": "get_weather"' in text and "<tool_response>\n3\n</tool_response>" in text
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text

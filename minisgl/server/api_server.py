@@ -38,6 +38,7 @@ from .protocol import (
     DetokenizeBody,
     TokenizeBody,
     parse_body,
+    template_tools,
 )
 from .reasoning import REASONING_PARSERS
 from .responses import ChatFormat, CompletionFormat, ReplyParser, json_response
@@ -186,10 +187,11 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     async def tokenize(request: Request) -> Response:
         """vLLM's shape; answered by the tokenizer process, as the prompts of requests are."""
         body = await read_body(request, TokenizeBody)
-        if (body.prompt is None) == (body.messages is None):
-            raise ApiError(400, "give a prompt or messages")
         messages = None if body.messages is None else [m.as_template_input() for m in body.messages]
-        query = TokenizerQuery(client.new_rids(1)[0], body.prompt, messages)
+        query = TokenizerQuery(
+            client.new_rids(1)[0], body.prompt, messages, tools=template_tools(body.tools),
+            template_kwargs=body.chat_template_kwargs,
+        )  # fmt: skip
         ids = (await ask(query)).ids
         assert ids is not None
         limit = engine_limits().max_seq_len
@@ -233,7 +235,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         messages = [m.as_template_input() for m in body.messages]
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(
-            client.new_rids(body.n), choices, messages=messages, tools=body.template_tools(),
+            client.new_rids(body.n), choices, messages=messages, tools=template_tools(body.tools),
             template_kwargs=body.chat_template_kwargs,
         )  # fmt: skip
         return await generate(

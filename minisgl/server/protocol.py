@@ -415,11 +415,27 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """Tools as the chat template takes them."""
+    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+
+
 class TokenizeBody(_Body):
-    """POST /tokenize, as vLLM's: a prompt, or messages rendered with the chat template."""
+    """POST /tokenize, as vLLM's: a prompt, or messages rendered with the chat template, with the
+    tools and the template's own variables a chat request would give it (its prompt's count)."""
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _a_prompt_or_a_chat(self) -> "TokenizeBody":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give a prompt or messages")
+        if self.prompt is not None and (self.tools or self.chat_template_kwargs):
+            raise ValueError("tools and chat_template_kwargs are a chat's: give messages")
+        return self
 
 
 class DetokenizeBody(_Body):
@@ -489,9 +505,6 @@ class ChatCompletionRequest(_GenerateRequest):
     @property
     def parallel(self) -> bool:
         return self.parallel_tool_calls is not False
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
 
     def _tool_schema(self) -> dict[str, Any] | None:
         """The JSON schema a required or named choice holds the reply to, as vLLM's: the named

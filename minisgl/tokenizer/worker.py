@@ -91,7 +91,10 @@ class Tokenize:
         assert self.limits is not None, "the API server admits queries only once ready"
         try:
             if query.ids is None:
-                ids = prompt_ids(self.tokenizer, query.prompt, query.messages, self.chat_template)
+                ids = prompt_ids(
+                    self.tokenizer, query.prompt, query.messages, self.chat_template, query.tools,
+                    query.template_kwargs,
+                )  # fmt: skip
                 return TokenizerAnswer(query.qid, ids=ids)
             check_token_ids(query.ids, self.limits.vocab_size)
             return TokenizerAnswer(query.qid, text=self.tokenizer.decode(query.ids))
