@@ -266,6 +266,7 @@ class _Run:
         self.result.update(
             text=self.detok.text,
             finish_reason=end.reason,
+            stop_reason=end.matched_stop,
             prompt_tokens=end.prompt_tokens,
             cached_tokens=end.cached_tokens,
         )

@@ -148,6 +148,16 @@ def test_finish_reason_is_length_at_max_tokens_and_stop_at_a_stop_token(
     )  # the embedded model's story ends on its eos after 342 tokens (test_models.py)
     assert story.choices[0].finish_reason == "stop" and story.usage.completion_tokens == 342
     assert story.choices[0].stop_reason is None
+    # offline, the same reasons
+    offline = stories_llm.generate(
+        [PROMPT, PROMPT, "Once upon a time"],
+        [SamplingParams(temperature=0, max_tokens=10),
+         SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ids[5]]),
+         SamplingParams(temperature=0, max_tokens=500)],
+        use_tqdm=False,
+    )  # fmt: skip
+    assert [r["stop_reason"] for r in offline] == [None, ids[5], None]
+    assert offline[2]["finish_reason"] == "stop"
 
 
 def test_usage_counts_prompt_and_completion_tokens(server: ServerProcess, stories_llm: LLM) -> None:

@@ -8,7 +8,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
@@ -100,7 +99,6 @@ class _Run:
     ) -> None:
         self.client, self.group, self.fmt = client, group, fmt
         self.model, self.n, self.want_logprobs = model, len(params), want_logprobs
-        self._stop_ids = [frozenset(p.stop_token_ids) for p in params]  # per choice of a prompt
         self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -137,9 +135,6 @@ class _Run:
                 piece.add(item.text, item.logprobs)
             else:
                 assert isinstance(item, Finished)
-                stop = item.matched_stop
-                if isinstance(stop, int) and stop not in self._stop_ids[index % self.n]:
-                    item = replace(item, matched_stop=None)  # vLLM's stop_reason: None for eos
                 self.choices[index].end = piece.end = item
         return pieces
 

@@ -45,6 +45,7 @@ class IncrementalDetokenizer:
         self._stops: tuple[str, ...] = params.stop  # type: ignore[assignment]
         self._min_tokens = params.min_tokens
         self._include_stop = params.include_stop_str_in_output
+        self._stop_ids = frozenset(params.stop_token_ids)
         self._searched = 0  # stop strings ending in self.text[:_searched] were looked for
         # the longest tail that may still become a stop string: held back until it cannot
         self._hold = max(map(len, self._stops), default=1) - 1
@@ -142,9 +143,15 @@ class IncrementalDetokenizer:
 
     def end(self, finish: Finished) -> Finished:
         """The request's end as the client sees it: a stop string ends it where it matched, with
-        the tokens up to the one that completed it."""
-        if self.matched_stop is None:
-            return finish
-        return replace(
-            finish, reason="stop", matched_stop=self.matched_stop, completion_tokens=self.num_tokens
-        )
+        the tokens up to the one that completed it; what matched is vLLM's stop_reason, a stop
+        string or one of stop_token_ids (None for an eos)."""
+        if self.matched_stop is not None:
+            return replace(
+                finish,
+                reason="stop",
+                matched_stop=self.matched_stop,
+                completion_tokens=self.num_tokens,
+            )
+        if isinstance(finish.matched_stop, int) and finish.matched_stop not in self._stop_ids:
+            return replace(finish, matched_stop=None)
+        return finish
