@@ -7,6 +7,7 @@ starts ranks 1..N-1 as the server's follower processes (spawned: a script that m
 a time."""
 
 import itertools
+import operator
 import time
 import weakref
 from collections.abc import Sequence
@@ -108,7 +109,7 @@ class LLM:
             if isinstance(p, str):
                 out.append(self.tokenizer.encode(p))
             elif isinstance(p, (list, tuple)):
-                out.append(list(p))
+                out.append(_token_ids(p))
             else:
                 raise ValueError(
                     "a prompt must be a str, a list of token ids or vLLM's prompt dict, not "
@@ -292,6 +293,14 @@ def _offline_chunk_size(device: torch.device) -> int:
         return offline_chunk_size(device.type)
     properties = torch.cuda.get_device_properties(device)
     return offline_chunk_size(device.type, properties.total_memory, properties.name)
+
+
+def _token_ids(ids: Sequence[Any]) -> list[int]:
+    """The ids as ints: of any integer type (numpy's too), but not a float or a bool."""
+    bad = [t for t in ids if isinstance(t, bool) or not hasattr(t, "__index__")]
+    if bad:
+        raise ValueError(f"a token id must be an integer, not {type(bad[0]).__name__}")
+    return [operator.index(t) for t in ids]
 
 
 def _prompt_of(prompt: dict[str, Any]) -> str | list[int]:

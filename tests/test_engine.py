@@ -536,3 +536,14 @@ def test_vllm_prompt_dicts_are_their_text_or_token_ids(stories_llm: LLM) -> None
         assert stories_llm.generate([prompt], params, use_tqdm=False)[0]["text"] == want["text"]
     with pytest.raises(ValueError, match="alone"):
         stories_llm.generate({"prompt": "a", "multi_modal_data": {}}, params, use_tqdm=False)
+
+
+def test_token_ids_of_any_integer_type_are_a_prompt(stories_llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=6)
+    ids = stories_llm.tokenizer.encode("Once upon a time")
+    want = stories_llm.generate([ids], params, use_tqdm=False)[0]["token_ids"]
+    as_numpy = list(np.array(ids))  # numpy's int64s, as a tokenizer's tensors give them
+    assert stories_llm.generate([as_numpy], params, use_tqdm=False)[0]["token_ids"] == want
+    for bad, name in (([1.0, 5], "float"), ([True, 5], "bool")):
+        with pytest.raises(ValueError, match=f"must be an integer, not {name}"):
+            stories_llm.generate([bad], params, use_tqdm=False)
