@@ -275,7 +275,6 @@ def _reply_parser(
     fits the request's tool_choice (auto: the server's --tool-call-parser; required and named:
     the JSON their grammar holds the reply to)."""
     mode, name = body.tool_use()
-    reasoning = args.reasoning_parser
     if mode == "auto" and args.tool_call_parser is None:
         raise ApiError(400, "tools with tool_choice auto need the server started with "
                        "--tool-call-parser")  # fmt: skip
@@ -285,12 +284,13 @@ def _reply_parser(
         "required": lambda: JsonArrayToolParser(body.parallel),
         "named": lambda: NamedToolParser(name),  # type: ignore[arg-type]
     }[mode]
-    if reasoning is None and tools is None:
+    if args.reasoning_parser is None and tools is None:
         return None
+    reasoning = None if args.reasoning_parser is None else REASONING_PARSERS[args.reasoning_parser]
     kwargs = body.chat_template_kwargs or {}
     constrained = params.structured is not None and params.structured.after is None
     return lambda: ReplyParser(
-        None if reasoning is None else REASONING_PARSERS[reasoning](kwargs, constrained),
+        None if reasoning is None else reasoning(kwargs, constrained),
         None if tools is None else tools(),
     )
 
