@@ -22,6 +22,8 @@ START_TIMEOUT_S = 180
 # a client that leaves while the scheduler is stopped (`scheduler_stopped`): time for its abort to
 # reach the scheduler's inbox through the API server and the tokenizer, which run on
 ABORT_ARRIVES_S = 2
+# how long the scheduler runs between two looks at its metrics in scheduler_stopped
+_SLICE_S = 0.01
 
 
 def free_port() -> int:
@@ -177,18 +179,21 @@ class ServerProcess:
     ) -> Iterator[dict[str, float]]:
         """The block runs with the scheduler (rank 0) stopped by SIGSTOP, from the first moment
         its /metrics meet `until` (those metrics are yielded): no request moves however slow the
-        machine, and what is sent to the scheduler meanwhile waits in its inbox."""
+        machine, and what is sent to the scheduler meanwhile waits in its inbox. Until then the
+        scheduler runs a tenth of the time at most, in slices: a request that arrived first
+        cannot run to its end while the machine is slow to send the others `until` waits for."""
         pid = self.child("scheduler-0")
         deadline = time.monotonic() + timeout
         try:
             while True:
                 os.kill(pid, signal.SIGSTOP)
+                time.sleep(9 * _SLICE_S)  # for the slice's outputs to reach the API server
                 metrics = self.metrics()
                 if until(metrics):
                     break
-                os.kill(pid, signal.SIGCONT)
                 assert time.monotonic() < deadline, "metrics never met the condition"
-                time.sleep(0.1)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(_SLICE_S)
             yield metrics
         finally:
             with contextlib.suppress(ProcessLookupError):  # the block may kill it
