@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -27,8 +28,9 @@ if TYPE_CHECKING:
 FinishReason = Literal["stop", "length", "abort"]
 MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# a temperature below this (and above 0) samples greedily, as in vLLM: dividing the logits by
-# it overflows to inf, and the probabilities to NaN
+# a temperature below this (and above 0) samples greedily: far enough below it, dividing the
+# logits by it overflows to inf and the probabilities to NaN (vLLM, instead, samples any
+# temperature below 0.01 at 0.01)
 MIN_TEMPERATURE = 1e-5
 # the nesting a JSON schema may have: xgrammar compiled 128 levels of arrays in 0.1 s and 256 in
 # 0.7 s (growing ~7x a doubling), on the scheduler's one grammar thread
@@ -138,6 +140,9 @@ class SamplingParams:
             if not ok:
                 raise InvalidSamplingParam(name, requirement)
 
+        for name in _NUMBERS:  # numpy's scalars as Python's, so every reader sees one form
+            object.__setattr__(self, name, _plain_number(getattr(self, name)))
+
         check(_is_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         check(
             _is_int64(self.top_k) and (self.top_k in (-1, 0) or self.top_k >= 1),
@@ -163,9 +168,9 @@ class SamplingParams:
             value = getattr(self, name)
             check(_is_finite(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
         check(
-            _is_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
+            _is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
-            "must be in (0, 2]",
+            "must be > 0",
         )
         check(_is_int64(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
         check(
@@ -189,6 +194,7 @@ class SamplingParams:
             isinstance(bias, (Mapping, list, tuple)), "logit_bias", "must map token ids to biases"
         )
         items = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
+        items = [tuple(map(_plain_number, p)) if isinstance(p, (list, tuple)) else p for p in items]
         check(
             all(
                 isinstance(p, (list, tuple)) and len(p) == 2 and _is_int64(p[0]) and p[0] >= 0
@@ -202,7 +208,12 @@ class SamplingParams:
             "logit_bias",
             "values must be in [-100, 100]",
         )
-        pairs = tuple(sorted(map(tuple, items)))
+        pairs = tuple(sorted(items))
+        check(
+            len({token for token, _ in pairs}) == len(pairs),
+            "logit_bias",
+            "names a token id twice",
+        )
         object.__setattr__(self, "logit_bias", pairs)
         # normalise to hashable tuples once, here, so every reader sees one form
         lists = (list, tuple, type(None))
@@ -211,7 +222,7 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         check(all(isinstance(s, str) and s for s in stop), "stop", "must be non-empty strings")
         check(all(_is_unicode(s) for s in stop), "stop", "strings must be valid Unicode")
-        stop_ids = tuple(self.stop_token_ids or ())
+        stop_ids = tuple(map(_plain_number, self.stop_token_ids or ()))
         check(all(_is_int64(t) and t >= 0 for t in stop_ids), "stop_token_ids", "must be ints >= 0")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", stop_ids)
@@ -241,6 +252,21 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
         return [replace(params, n=1)] * n
     # wrapped into the 64-bit range SamplingParams accepts
     return [replace(params, n=1, seed=(params.seed + i + 2**63) % 2**64 - 2**63) for i in range(n)]
+
+
+_NUMBERS = (
+    "temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "logprobs", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "n",
+)  # fmt: skip
+
+
+def _plain_number(x: Any) -> Any:
+    """A numpy integer as an int and a numpy float as a float; anything else as it is."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, (int, bool)):
+        return int(x)
+    if isinstance(x, numbers.Real) and not isinstance(x, (int, float)):
+        return float(x)
+    return x
 
 
 def _is_int(x: Any) -> bool:

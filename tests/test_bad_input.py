@@ -5,6 +5,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from minisgl import LLM, SamplingParams
@@ -74,12 +75,31 @@ def test_bad_prompt_raises_and_engine_keeps_serving(
         ({"stop": 123}, "stop"),
         ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"structured": StructuredOutput(json_object=True), "n": 0}, "n must"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": [(5, 60.0), (5, 60.0)]}, "names a token id twice"),
     ],
 )
 def test_bad_sampling_params_raise(llm: LLM, expected: list[int], params: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SamplingParams(**params)
     assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+
+
+def test_numpy_numbers_are_taken_as_pythons() -> None:
+    params = SamplingParams(
+        temperature=np.float32(0.5), top_k=np.int64(5), max_tokens=np.int32(7), seed=np.uint8(3),
+        repetition_penalty=np.float16(2.5), logit_bias={np.int32(9): np.float32(1.5)},
+        stop_token_ids=[np.int64(4)],
+    )  # fmt: skip
+    plain = SamplingParams(
+        temperature=0.5, top_k=5, max_tokens=7, seed=3, repetition_penalty=2.5,
+        logit_bias={9: 1.5}, stop_token_ids=[4],
+    )  # fmt: skip
+    assert params == plain
+    assert all(
+        type(getattr(params, name)) is type(getattr(plain, name))
+        for name in ("top_k", "temperature")
+    )
 
 
 @pytest.mark.parametrize(

@@ -196,6 +196,18 @@ def test_logprobs_give_the_top_tokens_of_each_step(server: ServerProcess) -> Non
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_logprobs_0_give_the_sampled_token_as_its_step_top(server: ServerProcess) -> None:
+    """As in OpenAI's legacy completions: the sampled token is among each step's top_logprobs,
+    so logprobs=0 gives it alone."""
+    got = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, temperature=1.5, seed=3, max_tokens=8, logprobs=0
+    )
+    lp = got.choices[0].logprobs
+    assert lp.top_logprobs == [
+        {token: logprob} for token, logprob in zip(lp.tokens, lp.token_logprobs, strict=True)
+    ]
+
+
 def test_streamed_logprobs_equal_the_whole_reply_while_a_stop_string_holds_text_back(
     server: ServerProcess,
 ) -> None:

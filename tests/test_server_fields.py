@@ -230,3 +230,14 @@ def test_top_logprobs_of_tokens_that_render_alike_keep_the_likeliest() -> None:
     piece = Choice("x", [TextLogprobs("\ufffd", -0.1, top)])
     choice = CompletionFormat().choice(0, piece, 0, True, False, True)
     assert choice["logprobs"]["top_logprobs"] == [{"\ufffd": -0.1, "a": -3.0}]
+
+
+def test_a_completions_top_logprobs_hold_the_sampled_token_too() -> None:
+    """Up to logprobs + 1 entries, as OpenAI's legacy completions give, likeliest first."""
+    piece = Choice("c", [TextLogprobs("c", -4.0, [("a", -0.2), ("b", -1.9)])])
+    choice = CompletionFormat().choice(0, piece, 0, True, False, True)
+    assert list(choice["logprobs"]["top_logprobs"][0].items()) == [
+        ("a", -0.2),
+        ("b", -1.9),
+        ("c", -4.0),
+    ]

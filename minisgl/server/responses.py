@@ -92,11 +92,13 @@ class ReplyFormat(ABC):
         }
 
 
-def _top_by_text(top: list[tuple[str, float]]) -> dict[str, float]:
-    """A completion's top_logprobs, keyed by token text: of tokens that render alike (the
-    pieces of a multi-byte character are each U+FFFD) the likeliest is kept."""
+def _top_by_text(sampled: tuple[str, float], top: list[tuple[str, float]]) -> dict[str, float]:
+    """A completion's top_logprobs: the likeliest tokens and the sampled one (so up to
+    logprobs + 1 of them, as OpenAI's legacy completions give), keyed by token text; of tokens
+    that render alike (the pieces of a multi-byte character are each U+FFFD) the likeliest is
+    kept."""
     by_text: dict[str, float] = {}
-    for token, logprob in top:
+    for token, logprob in sorted([*top, sampled], key=lambda entry: -entry[1]):
         by_text.setdefault(token, logprob)
     return by_text
 
@@ -123,7 +125,7 @@ class CompletionFormat(ReplyFormat):
             logprobs = {
                 "tokens": [t.token for t in piece.logprobs],
                 "token_logprobs": [t.logprob for t in piece.logprobs],
-                "top_logprobs": [_top_by_text(t.top) for t in piece.logprobs],
+                "top_logprobs": [_top_by_text((t.token, t.logprob), t.top) for t in piece.logprobs],
                 "text_offset": offsets,
             }
         return {
