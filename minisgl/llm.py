@@ -26,15 +26,14 @@ from minisgl.config import (
     split_overrides,
 )
 from minisgl.core import SamplingParams, choice_params
+from minisgl.engine.preflight import check_engine_config
 from minisgl.messages import AbortRequest, AddRequests, Finished, FlushPrefixCache, StepOutputs
-from minisgl.models.config import ModelConfig
 from minisgl.scheduler.lockstep import Message
 from minisgl.scheduler.worker import SchedulerWorker, start_worker
 from minisgl.server.protocol import template_messages
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 from minisgl.utils import resolve_model_path
-from minisgl.utils.hf import cached_load_hf_config
 from minisgl.utils.process import local_init_method, start_child
 from minisgl.utils.torch_utils import resolve_device
 
@@ -51,8 +50,7 @@ class LLM:
         if given := [name for name in _PLACEMENT if name in engine_settings]:
             raise ValueError(f"{', '.join(given)}: the offline LLM places its TP ranks itself")
         engine_config = EngineConfig(model_path=path, **engine_settings)
-        # before any rank starts, each of which would fail alike
-        ModelConfig.from_hf(cached_load_hf_config(path)).check_tp(engine_config.tp_size)
+        check_engine_config(engine_config)  # before any rank starts, each of which would fail alike
         if engine_config.tp_size > 1:
             engine_config = replace(engine_config, dist_init_method=local_init_method())
         if "chunk_size" not in scheduler_settings:  # rank 0's, which every rank must share

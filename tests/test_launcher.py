@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from safetensors.torch import load_file, save_file
 
 from minisgl.server.cli import parse_args
 from minisgl.server.launch import _base_url
@@ -32,12 +33,19 @@ def _launch(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess[str
     )
 
 
-def _model_dir(tmp_path: Path, weights: bool = True, tokenizer: bool = True, **config) -> Path:
-    """A copy of the embedded model, without some of its files or with config fields changed."""
+def _model_dir(
+    tmp_path: Path, weights: bool = True, tokenizer: bool = True, drop: str | None = None, **config
+) -> Path:
+    """A copy of the embedded model, without some of its files or one tensor (`drop`), or with
+    config fields changed."""
     path = tmp_path / "model"
     shutil.copytree(DEFAULT_MODEL_PATH, path)
     if not weights:
         (path / "model.safetensors").unlink()
+    if drop is not None:
+        tensors = load_file(path / "model.safetensors")
+        del tensors[drop]
+        save_file(tensors, path / "model.safetensors")
     if not tokenizer:
         for name in TOKENIZER_FILES:
             (path / name).unlink(missing_ok=True)
@@ -97,6 +105,8 @@ def test_a_bad_node_layout_is_refused_with_the_settings(flags: list[str], messag
         ({"weights": False}, "holds no *.safetensors weights"),
         ({"tokenizer": False}, "has no tokenizer.json"),
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
+        ({"hidden_size": 32}, "has shape (512, 64), expected (512, 32)"),  # read from headers
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints are not"),
     ],
 )
 def test_a_model_directory_that_cannot_be_served_fails_in_one_line(
@@ -110,11 +120,16 @@ def test_a_model_directory_that_cannot_be_served_fails_in_one_line(
 def test_a_setting_only_the_engine_can_check_names_the_process_in_one_line(
     tmp_path: Path,
 ) -> None:
-    """Weights of another shape: the scheduler finds out as it loads them, and says so."""
-    run = _launch("--device", "cpu", "--model", str(_model_dir(tmp_path, hidden_size=32)))
+    """A tensor the checkpoint lacks: only the model, once built, names every tensor it needs;
+    the scheduler finds out before it reads a weight, and says so."""
+    name = "model.layers.1.mlp.up_proj.weight"
+    run = _launch("--device", "cpu", "--model", str(_model_dir(tmp_path, drop=name)))
     assert run.returncode == 1
     assert "Traceback" not in run.stderr, run.stderr
-    assert "minisgl: scheduler-0: tensor '" in run.stderr and "has shape" in run.stderr
+    assert (
+        f"minisgl: scheduler-0: checkpoint {tmp_path / 'model'} is missing tensor(s) '{name}'"
+        in run.stderr
+    )
     assert "a process exited during start-up: scheduler-0 (exit code 1)" in run.stderr
 
 

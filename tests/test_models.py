@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import Qwen2Config, Qwen3MoeConfig
 
 from minisgl import LLM, SamplingParams
-from minisgl.config import EngineConfig
+from minisgl.config import ConfigError, EngineConfig
 from minisgl.core import Req
 from minisgl.engine.context import ForwardBatch, forward_context, load_inputs
 from minisgl.engine.engine import Engine, upload
 from minisgl.kvcache.manager import KVCacheManager
+from minisgl.models.config import ModelConfig
 from minisgl.scheduler.batch_builder import build_batch
 from minisgl.scheduler.token_table import TokenTable
 from minisgl.utils import DEFAULT_MODEL_PATH
@@ -137,6 +139,23 @@ def test_embedded_model_stops_on_either_eos_id() -> None:
     assert len(out[0]["token_ids"]) == 342 and out[0]["token_ids"][-1] == 1
 
 
+def test_the_tokenizers_eos_stops_generation_too(tmp_path: Path) -> None:
+    """As in vLLM and SGLang: the configs name no eos here, the tokenizer's eos_token does."""
+    path = _copy(DEFAULT_MODEL_PATH, tmp_path / "m")
+    for name in ("generation_config.json", "config.json"):
+        config = json.loads((path / name).read_text())
+        config.pop("eos_token_id")
+        (path / name).write_text(json.dumps(config))
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["eos_token"] = "<s>"  # id 1, which ends the recorded story
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with LLM(str(path), device=DEVICE, dtype="float32", max_kv_tokens=2048) as llm:
+        params = SamplingParams(temperature=0, max_tokens=500)
+        out = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop" and out["stop_reason"] is None
+    assert len(out["token_ids"]) == 342 and out["token_ids"][-1] == 1
+
+
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
     config = json.loads((DEFAULT_MODEL_PATH / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
@@ -212,3 +231,101 @@ def test_a_stored_head_under_tied_embeddings_loads_only_if_it_is_the_embedding(
     other = corrupt_copy(tied, tmp_path / "other", store_head(embedding + 1))
     with pytest.raises(ValueError, match=r"ties the word embeddings.*lm_head\.weight.*differs"):
         Engine(EngineConfig(model_path=other, device=DEVICE, max_kv_tokens=64, max_model_len=64))
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _llm(path: Path) -> LLM:
+    return LLM(str(path), device=DEVICE, dtype="float32", max_kv_tokens=64, max_model_len=64)
+
+
+def test_a_shard_the_index_names_but_the_directory_lacks_fails_before_loading(
+    checkpoint, tmp_path: Path
+) -> None:
+    path = _copy(
+        checkpoint("qwen3", max_shard_size="100KB", tie_word_embeddings=False), tmp_path / "m"
+    )
+    last = sorted(path.glob("model-*.safetensors"))[-1]
+    last.unlink()
+    with pytest.raises(ConfigError, match=rf"model\.safetensors\.index\.json names {last.name}"):
+        _llm(path)
+
+
+def test_a_truncated_file_fails_before_loading(checkpoint, tmp_path: Path) -> None:
+    path = _copy(checkpoint("llama"), tmp_path / "m")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=r"model\.safetensors cannot be read"):
+        _llm(path)
+
+
+def test_a_tensor_of_no_float_type_is_refused(checkpoint, tmp_path: Path) -> None:
+    name = "model.norm.weight"
+    path = corrupt_copy(
+        checkpoint("llama"), tmp_path / "bad", lambda t: t.update({name: t[name].to(torch.int32)})
+    )
+    with pytest.raises(ConfigError, match=rf"{name}.*is I32, not a float type"):
+        _llm(path)
+
+
+def test_model_safetensors_is_the_checkpoint_whatever_lies_beside_it(
+    checkpoint, tmp_path: Path
+) -> None:
+    """As Hugging Face loads it: an adapter or a consolidated copy beside it is no part of it."""
+    path = _copy(checkpoint("llama"), tmp_path / "m")
+    save_file({"embed_tokens.weight": torch.zeros(2, 2)}, path / "consolidated.safetensors")
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    tokens = []
+    for model in (path, checkpoint("llama")):
+        with _llm(model) as llm:
+            tokens.append(llm.generate([PROMPT], greedy, use_tqdm=False)[0]["token_ids"])
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantized checkpoints"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ],
+)
+def test_config_fields_we_cannot_honour_are_refused(
+    checkpoint, tmp_path: Path, fields: dict, match: str
+) -> None:
+    path = _copy(checkpoint("llama"), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
+    with pytest.raises(ConfigError, match=match):
+        _llm(path)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be >= 1"),
+        (
+            {"num_experts_per_tok": 5},
+            r"num_experts_per_tok \(5\) must be in \[1, num_experts \(4\)\]",
+        ),
+    ],
+)
+def test_moe_settings_out_of_range_are_refused(fields: dict, match: str) -> None:
+    config = Qwen3MoeConfig(**{"num_experts": 4, "num_experts_per_tok": 2, **fields})
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize(("max_window_layers", "positions"), [(4, 4096), (2, 256)])
+def test_qwen2s_window_caps_the_context_only_if_a_layer_slides(
+    max_window_layers: int, positions: int
+) -> None:
+    config = Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=256,
+        max_window_layers=max_window_layers, max_position_embeddings=4096,
+    )  # fmt: skip
+    config.architectures = ["Qwen2ForCausalLM"]
+    assert ModelConfig.from_hf(config).max_position_embeddings == positions

@@ -83,6 +83,17 @@ class ModelConfig:
                 f"unsupported architecture {archs}; supported: {', '.join(sorted(ARCHITECTURES))}"
             )
         traits = ARCHITECTURES[arch]
+        quantization = getattr(config, "quantization_config", None)
+        if quantization is not None:
+            method = (
+                quantization.get("quant_method")
+                if isinstance(quantization, dict)
+                else getattr(quantization, "quant_method", None)
+            )
+            raise ConfigError(
+                f"quantized checkpoints are not supported (quantization_config: {method!r}); "
+                "serve the model's bf16 or fp16 weights"
+            )
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ConfigError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu")
         head_dim = (
@@ -92,10 +103,8 @@ class ModelConfig:
             raise ConfigError(f"unsupported {arch} setting {', '.join(biased)}: true")
         rope_theta, rope_scaling = _rope_settings(config)
         max_positions = config.max_position_embeddings
-        # sliding-window attention is not implemented: cap the context at the window instead
-        window = getattr(config, "sliding_window", None)
-        if window and getattr(config, "use_sliding_window", True):
-            max_positions = min(max_positions, window)
+        if _slides(config):  # sliding-window attention is not implemented: cap the context
+            max_positions = min(max_positions, config.sliding_window)
         return cls(
             architecture=arch,
             num_layers=config.num_hidden_layers,
@@ -116,10 +125,29 @@ class ModelConfig:
         )
 
 
+def _slides(config: PretrainedConfig) -> bool:
+    """Whether some layer attends over a sliding window only: as its `layer_types` say where
+    the config has them (Qwen2's windows start at layer max_window_layers), else every layer
+    does once a window is set (Mistral)."""
+    if not getattr(config, "sliding_window", None):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    return bool(getattr(config, "use_sliding_window", True))
+
+
 def _moe_config(config: PretrainedConfig) -> MoEConfig | None:
     """Which layers are sparse, decided as Hugging Face's Qwen3MoeDecoderLayer decides: those
     not in mlp_only_layers whose number (from 1) is a multiple of decoder_sparse_step."""
     num_experts = config.num_experts
+    if config.decoder_sparse_step < 1:
+        raise ConfigError(f"decoder_sparse_step must be >= 1, not {config.decoder_sparse_step}")
+    if num_experts > 0 and not 1 <= config.num_experts_per_tok <= num_experts:
+        raise ConfigError(
+            f"num_experts_per_tok ({config.num_experts_per_tok}) must be in [1, num_experts "
+            f"({num_experts})]"
+        )
     dense = set(config.mlp_only_layers)
     layers = tuple(
         i
@@ -143,6 +171,13 @@ def _rope_settings(config: PretrainedConfig) -> tuple[float, RopeScaling | None]
     scaling = dict(getattr(config, "rope_scaling", None) or params)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     scaling.pop("rope_theta", None)
+    partial = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
+    if partial not in (
+        None,
+        1.0,
+    ):  # Hugging Face's default RoPE ignores it, its llama3 RoPE and vLLM do not
+        raise ConfigError(f"unsupported partial_rotary_factor {partial}; supported: 1.0")
+    scaling.pop("partial_rotary_factor", None)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None

@@ -54,6 +54,17 @@ def fused_shape(kind: str, c: ModelConfig) -> tuple[int, ...] | None:
     return (e, 2 * inter, hidden) if kind == "gate_up_proj" else (e, hidden, inter)
 
 
+def per_expert_names(target: str, num_experts: int) -> list[str]:
+    """The per-expert checkpoint tensors that make up the stacked `target`."""
+    prefix, kind = target.rsplit(".", 1)
+    return [
+        f"{prefix}.{e}.{projection}.weight"
+        for e in range(num_experts)
+        for projection, (stacked, _) in _STACKED.items()
+        if stacked == kind
+    ]
+
+
 class TensorSlice(Protocol):
     """A checkpoint tensor not read yet (safetensors' get_slice): indexing reads that part only."""
 
@@ -101,16 +112,3 @@ class ExpertStacker:
             return None
         del self._stacks[target], self._received[target]
         return stack
-
-    def missing(self, target: str) -> list[str]:
-        """The per-expert tensors of a partly received stacked tensor that never came."""
-        received = self._received.get(target)
-        if received is None:
-            return []
-        prefix, kind = target.rsplit(".", 1)
-        return [
-            f"{prefix}.{e}.{projection}.weight"
-            for e in range(self._num_experts)
-            for projection, (stacked, _) in _STACKED.items()
-            if stacked == kind and (e, projection) not in received
-        ]

@@ -3,11 +3,12 @@ q/k/v -> qkv_proj and gate/up -> gate_up_proj (and stacks experts, expert_weight
 way, and checks every name and shape."""
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from minisgl.config import ConfigError
 from minisgl.distributed import TPInfo
@@ -21,6 +22,7 @@ from .expert_weights import (
     expert_shape,
     fused_shape,
     per_expert,
+    per_expert_names,
     shard_fused,
 )
 
@@ -33,6 +35,10 @@ _MERGED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
+_PARTS_OF = {
+    merged: [module for module, (target, _) in _MERGED.items() if target == merged]
+    for merged in _PARTS
+}  # in their order inside the merged tensor
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _EMBEDDING = "model.embed_tokens.weight"
 
@@ -106,15 +112,118 @@ def _target(
     return name, _checkpoint_shape(module, kind, config)
 
 
-def checkpoint_files(model_path: Path) -> list[Path]:
+# a checkpoint's tensors in a float type: any other (int8, fp8, packed ints) is a quantized one's
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A checkpoint tensor and the model's tensor it goes into."""
+
+    name: str
+    target: str
+    full_shape: tuple[int, ...]
+    expert: tuple[str, int, str] | None  # per_expert(name)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What the model takes from each of a checkpoint's files, as their headers describe it."""
+
+    sources: dict[Path, list[_Source]]
+    tied_head: Path | None  # a file holding an lm_head.weight that tied embeddings must equal
+
+
+def _checkpoint_files(model_path: Path) -> list[Path]:
+    """The files of the checkpoint: those its index names, else model.safetensors (as Hugging
+    Face loads it: an adapter or a consolidated copy beside it is no part of it), else every
+    *.safetensors file."""
     index = model_path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_path / name for name in dict.fromkeys(weight_map.values())]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = list(dict.fromkeys(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index} cannot be read: {e!r}") from None
+        files = [model_path / name for name in names]
+        if absent := [f.name for f in files if not f.is_file()]:
+            raise ConfigError(
+                f"{index.name} names {', '.join(absent)}, which {model_path} lacks (a download "
+                "that did not finish?)"
+            )
+        return files
+    if (single := model_path / "model.safetensors").is_file():
+        return [single]
     files = sorted(model_path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors checkpoint in {model_path}")
+        raise ConfigError(
+            f"{model_path} holds no *.safetensors weights (--dummy-weights for random ones)"
+        )
     return files
+
+
+def scan_checkpoint(
+    model_path: Path, config: ModelConfig, names: Collection[str] | None = None
+) -> Checkpoint:
+    """The checkpoint's tensors, checked from its files' headers alone (no tensor is read): every
+    file is there and whole, and every tensor is one the model has, of its shape and of a float
+    type; with `names` (every tensor the model wants), none of them is missing. Raises
+    ConfigError naming the file or the tensor."""
+    sources: dict[Path, list[_Source]] = {}
+    covered: dict[str, set[str]] = {}  # model tensor -> the checkpoint tensors found for it
+    tied_head = None
+    for file in _checkpoint_files(model_path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                headers = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118
+        except (OSError, SafetensorError) as e:
+            raise ConfigError(f"{file} cannot be read: {e}") from None
+        sources[file] = []
+        for name, header in headers.items():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                tied_head = file  # the LM head shares embed_tokens' weight
+                continue
+            expert = per_expert(name) if config.moe is not None else None
+            target, full_shape = _target(name, expert, config)
+            if full_shape is None or (names is not None and target not in names):
+                raise ConfigError(f"unexpected tensor {name!r} in {file.name}")
+            shape = tuple(header.get_shape())
+            if shape != full_shape:
+                raise ConfigError(
+                    f"tensor {name!r} in {file.name} has shape {shape}, expected {full_shape}"
+                )
+            if (dtype := header.get_dtype()) not in _FLOAT_DTYPES:
+                raise ConfigError(
+                    f"tensor {name!r} in {file.name} is {dtype}, not a float type: quantized "
+                    "checkpoints are not supported"
+                )
+            sources[file].append(_Source(name, target, full_shape, expert))
+            covered.setdefault(target, set()).add(name)
+    if names is not None:
+        missing = [
+            source
+            for target in names
+            for source in _sources_of(target, covered.get(target, set()), config)
+            if source not in covered.get(target, ())
+        ]
+        if missing:
+            raise ConfigError(
+                f"checkpoint {model_path} is missing tensor(s) {', '.join(map(repr, missing))}"
+            )
+    return Checkpoint(sources, tied_head)
+
+
+def _sources_of(target: str, found: set[str], config: ModelConfig) -> list[str]:
+    """The checkpoint tensors that make up the model's `target`, of which `found` came."""
+    module = target.split(".")[-2]
+    if module in _PARTS:
+        return [target.replace(f".{module}.", f".{part}.") for part in _PARTS_OF[module]]
+    if module == "experts" and found - {target}:  # stored one tensor per expert
+        assert config.moe is not None
+        return per_expert_names(target, config.moe.num_experts)
+    return [target]
 
 
 def load_weights(
@@ -126,43 +235,30 @@ def load_weights(
     dtype: torch.dtype,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name in the model, tensor on `device`) for this rank. `expected` maps every name the
-    model wants to its local shape; a checkpoint that disagrees raises a ValueError naming the tensor."""
+    model wants to its local shape; a checkpoint that disagrees raises a ConfigError naming the
+    tensor, before any tensor is read."""
+    checkpoint = scan_checkpoint(model_path, config, expected)
+    if checkpoint.tied_head is not None:
+        _require_tied_head(list(checkpoint.sources), checkpoint.tied_head)
     pending: dict[str, dict[int, torch.Tensor]] = {}
     stacker = ExpertStacker(expected, config.moe.num_experts if config.moe is not None else 0)
-    seen: set[str] = set()
-    files = checkpoint_files(model_path)
-    for file in files:
+    for file, sources in checkpoint.sources.items():
         with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and config.tie_word_embeddings:
-                    _require_tied_head(files, file)  # the LM head shares embed_tokens' weight
-                    continue
-                module, kind = name.split(".")[-2:]
-                expert = per_expert(name) if config.moe is not None else None
-                target, full_shape = _target(name, expert, config)
-                if full_shape is None or target not in expected:
-                    raise ConfigError(f"unexpected tensor {name!r} in {file.name}")
-                tensor_slice = f.get_slice(name)
-                shape = tuple(tensor_slice.get_shape())
-                if shape != full_shape:
-                    raise ConfigError(
-                        f"tensor {name!r} in {file.name} has shape {shape}, expected {full_shape}"
-                    )
+            for source in sources:
+                target, expert = source.target, source.expert
+                module, kind = source.name.split(".")[-2:]
+                tensor_slice = f.get_slice(source.name)
                 if module == "experts":
                     tensor = shard_fused(kind, tensor_slice, config, tp)
                 else:
-                    tensor = _shard(module, tensor_slice, full_shape, config, tp)
+                    tensor = _shard(module, tensor_slice, source.full_shape, config, tp)
                 tensor = tensor.to(device, dtype)
                 if expert is not None:
                     stacked = stacker.add(target, expert[1], expert[2], tensor)
                     if stacked is not None:
-                        seen.add(target)
                         yield target, stacked
                     continue
                 if module not in _MERGED:
-                    seen.add(target)
                     yield target, tensor
                     continue
                 merged, part = _MERGED[module]
@@ -170,14 +266,7 @@ def load_weights(
                 parts[part] = tensor
                 if len(parts) == _PARTS[merged]:
                     del pending[target]
-                    seen.add(target)
                     yield target, torch.cat([parts[i] for i in range(len(parts))])
-    missing = [name for name in expected if name not in seen]
-    if missing:
-        raise ConfigError(
-            f"checkpoint {model_path} is missing tensor(s) "
-            f"{_describe_missing(missing, pending, stacker)}"
-        )
 
 
 def _require_tied_head(files: list[Path], head_file: Path) -> None:
@@ -196,21 +285,3 @@ def _require_tied_head(files: list[Path], head_file: Path) -> None:
                         "tie_word_embeddings to false to use it"
                     )
                 return
-
-
-def _describe_missing(
-    missing: list[str], pending: dict[str, dict[int, torch.Tensor]], stacker: ExpertStacker
-) -> str:
-    names = []
-    for name in missing:
-        merged = name.split(".")[-2]
-        if stacker.missing(name):
-            names += stacker.missing(name)
-        elif merged in _PARTS:
-            got = pending.get(name, {})
-            for module, (target, part) in _MERGED.items():
-                if target == merged and part not in got:
-                    names.append(name.replace(f".{merged}.", f".{module}."))
-        else:
-            names.append(name)
-    return ", ".join(repr(n) for n in names)
