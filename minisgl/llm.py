@@ -33,7 +33,7 @@ from minisgl.scheduler.worker import SchedulerWorker, start_worker
 from minisgl.server.protocol import template_messages
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
-from minisgl.utils import resolve_model_path
+from minisgl.utils import resolve_model_path, sampling_defaults
 from minisgl.utils.process import local_init_method, start_child
 from minisgl.utils.torch_utils import resolve_device
 
@@ -44,8 +44,13 @@ _STOP_TIMEOUT_S = 30.0
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **settings: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, generation_config: str = "auto", **settings: Any
+    ) -> None:
+        """generation_config: where `get_default_sampling_params` comes from, as vLLM's:
+        "auto", the model's generation_config.json; "vllm", SamplingParams(); or a folder."""
         path = resolve_model_path(model)
+        self._sampling_defaults = sampling_defaults(generation_config, path)
         engine_settings, scheduler_settings = split_overrides(settings)
         if given := [name for name in _PLACEMENT if name in engine_settings]:
             raise ValueError(f"{', '.join(given)}: the offline LLM places its TP ranks itself")
@@ -115,6 +120,12 @@ class LLM:
                 )
         return out
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params of a `generate` given none, as vLLM's: the sampling fields of the model's
+        generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty) over
+        SamplingParams' defaults."""
+        return SamplingParams(**self._sampling_defaults)
+
     def generate(
         self,
         prompts: str | Sequence[Prompt],
@@ -127,7 +138,9 @@ class LLM:
         step it cut off may have published pages before writing them)."""
         prompt_ids = self._tokenize(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            prompt_params = [sampling_params or SamplingParams()] * len(prompt_ids)
+            prompt_params = [sampling_params or self.get_default_sampling_params()] * len(
+                prompt_ids
+            )
         else:
             if not isinstance(sampling_params, (list, tuple)):
                 raise ValueError("sampling_params must be a SamplingParams or a list of them")

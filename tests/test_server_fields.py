@@ -2,13 +2,19 @@
 checked against the offline engine with the same parameters: penalties, logit_bias, min_tokens,
 include_stop_str_in_output, echo; and /v1/responses answered with a 404 in OpenAI's shape."""
 
+import json
+import shutil
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.config import ConfigError
 from minisgl.messages import TextLogprobs
 from minisgl.server.responses import Choice, CompletionFormat
+from minisgl.utils import DEFAULT_MODEL_PATH, sampling_defaults
 
 from .server_process import ServerProcess
 from .test_bad_input import nested_schema
@@ -241,3 +247,60 @@ def test_a_completions_top_logprobs_hold_the_sampled_token_too() -> None:
         ("b", -1.9),
         ("c", -4.0),
     ]
+
+
+@pytest.fixture(scope="module")
+def greedy_by_default(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded model with a generation_config.json whose sampling defaults are greedy."""
+    path = tmp_path_factory.mktemp("greedy-by-default") / "model"
+    shutil.copytree(DEFAULT_MODEL_PATH, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "top_k": 1}))
+    return path
+
+
+def test_the_models_generation_config_sets_the_sampling_defaults(
+    greedy_by_default: Path, server: ServerProcess, tmp_path: Path
+) -> None:
+    """As vLLM's --generation-config auto: a field the request leaves out takes the model's
+    default, one it gives wins."""
+    greedy = _text(server, max_tokens=24).text
+    s = ServerProcess(tmp_path, "--model", str(greedy_by_default), "--served-model-name", "m")
+    try:
+        client = s.client()
+        defaulted = client.completions.create(model="m", prompt=PROMPT, max_tokens=24, seed=5)
+        own = client.completions.create(
+            model="m", prompt=PROMPT, max_tokens=24, seed=5, extra_body={"top_k": -1}
+        )
+        chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24}
+        chats = [client.chat.completions.create(**chat, seed=seed) for seed in (1, 2)]
+    finally:
+        s.stop()
+    assert defaulted.choices[0].text == greedy
+    assert own.choices[0].text != greedy
+    assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
+
+
+def test_sampling_defaults_come_from_the_folder_the_flag_names(
+    greedy_by_default: Path, tmp_path: Path
+) -> None:
+    assert sampling_defaults("auto", greedy_by_default) == {"top_k": 1}
+    assert sampling_defaults("vllm", greedy_by_default) == {}
+    assert sampling_defaults(str(greedy_by_default), DEFAULT_MODEL_PATH) == {"top_k": 1}
+    assert sampling_defaults("auto", DEFAULT_MODEL_PATH) == {}  # eos ids only
+    with pytest.raises(ConfigError, match=r"no generation_config\.json"):
+        sampling_defaults(str(tmp_path), greedy_by_default)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ConfigError, match="temperature must be >= 0"):
+        sampling_defaults(str(tmp_path), greedy_by_default)
+
+
+def test_the_offline_llm_takes_the_models_sampling_defaults(greedy_by_default: Path) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    with LLM(str(greedy_by_default), dtype="float32", max_kv_tokens=2048) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(top_k=1)
+        want = llm.generate(PROMPT, greedy, use_tqdm=False)[0]["token_ids"]
+        defaulted = llm.generate(PROMPT, use_tqdm=False)[0]["token_ids"]
+    assert defaulted == want[:16]  # SamplingParams' max_tokens, 16
+    with LLM(str(greedy_by_default), generation_config="vllm", max_kv_tokens=2048) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()

@@ -25,6 +25,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from minisgl.core import SamplingParams, choice_params
 from minisgl.messages import Addresses, Ready, TokenizerAnswer, TokenizeRequest, TokenizerQuery
+from minisgl.utils import sampling_defaults
 
 from .args import ServerArgs
 from .engine_client import EngineClient
@@ -91,6 +92,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
     created = int(time.time())
+    defaults = sampling_defaults(args.generation_config, args.engine.model_path)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> Response:
@@ -206,7 +208,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest)
-        prompts, params = body.prompts(), body.sampling_params()
+        prompts, params = body.prompts(), body.sampling_params(defaults)
         args.limits.check(body.n, len(prompts), params)
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(client.new_rids(len(prompts) * body.n), choices, prompts)
@@ -228,7 +230,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest)
-        params = body.sampling_params()
+        params = body.sampling_params(defaults)
         args.limits.check(body.n, 1, params)
         params = _held_after_thinking(args, body, params)
         fmt = ChatFormat(_reply_parser(args, body, params))

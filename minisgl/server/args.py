@@ -28,6 +28,7 @@ class ServerArgs:
     tool_call_parser: str | None = None  # reads tool calls out of replies (tool_choice auto)
     reasoning_parser: str | None = None  # splits replies into reasoning_content and content
     structured_outputs_in_reasoning: bool = False  # a grammar holds the thinking too
+    generation_config: str = "auto"  # where requests' sampling defaults come from (vLLM's flag)
     limits: RequestLimits = field(default_factory=RequestLimits)
     request_timeout: float | None = None  # seconds a request may run; None: no limit
     shutdown_timeout: float = 10.0  # seconds running requests may finish after SIGTERM

@@ -43,6 +43,7 @@ from types import FrameType
 from typing import Any
 
 from minisgl.messages import Addresses
+from minisgl.utils import sampling_defaults
 from minisgl.utils.process import local_init_method, start_child
 
 from .args import ServerArgs
@@ -303,6 +304,11 @@ def launch(args: ServerArgs) -> int:
             behind = (
                 f" through sglang-router ({args.router_policy}; its metrics at {metrics}) in "
                 f"front of replicas at {', '.join(replica_urls)}"
+            )
+        if defaults := sampling_defaults(args.generation_config, args.engine.model_path):
+            _say(
+                f"requests that leave them out sample with {defaults} (--generation-config "
+                f"{args.generation_config}: generation_config.json's; vllm: none)"
             )
         if args.shell:
             watcher = _ShellWatcher([*_flat(servers), *router])

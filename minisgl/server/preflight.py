@@ -10,6 +10,7 @@ import torch
 from minisgl.engine.preflight import check_engine_config
 from minisgl.kvcache import PREFIX_CACHES
 from minisgl.tokenizer.loader import check_chat_template, check_tokenizer, load_tokenizer
+from minisgl.utils import sampling_defaults
 from minisgl.utils.torch_utils import resolve_device
 
 from .args import ServerArgs
@@ -29,6 +30,7 @@ def check_settings(args: ServerArgs) -> None:
         raise ValueError(f"{flags} needs {gpus} GPU(s){where}; {torch.cuda.device_count()} found")
     PREFIX_CACHES.resolve(args.scheduler.cache, device.type)
     check_tokenizer(engine.model_path)
+    sampling_defaults(args.generation_config, engine.model_path)
     if args.chat_template is not None:
         check_chat_template(load_tokenizer(engine.model_path), args.chat_template)
     if args.node_rank == 0:  # the others serve no API

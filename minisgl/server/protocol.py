@@ -12,7 +12,7 @@ Chat's tools go to the chat template; a `required` or named tool_choice becomes 
 output, the JSON schema of its calls, as in vLLM (responses.py reads the calls out of the reply).
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import cache
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
@@ -233,10 +233,16 @@ class _GenerateRequest(_Body):
         return given[0] if given else None
 
     def _params(
-        self, max_tokens: int | None, logprobs: int | None, rest_of_context: bool = False
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: Mapping[str, Any],
+        rest_of_context: bool = False,
     ) -> SamplingParams:
-        """Raises ApiError(400) for values SamplingParams rejects. max_tokens None: SamplingParams'
-        default, or the rest of the context where rest_of_context."""
+        """Raises ApiError(400) for values SamplingParams rejects. A field the request leaves out
+        takes its value from `defaults` (the model's, `sampling_defaults`), else SamplingParams'
+        default; max_tokens None: SamplingParams' default, or the rest of the context where
+        rest_of_context."""
         bias = None
         if self.logit_bias is not None:
             # int() would also take " 5", "+5", "5_0" and other scripts' digits
@@ -249,7 +255,7 @@ class _GenerateRequest(_Body):
         given.update(
             max_tokens=max_tokens, logprobs=logprobs, logit_bias=bias, structured=self._structured()
         )
-        values = {k: v for k, v in given.items() if v is not None}
+        values = {**defaults, **{k: v for k, v in given.items() if v is not None}}
         if max_tokens is None and rest_of_context:
             values["max_tokens"] = None
         try:
@@ -277,10 +283,10 @@ class CompletionRequest(_GenerateRequest):
             raise ApiError(400, "prompt must not be empty")
         return list(self.prompt)  # type: ignore[arg-type]
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         if self.echo and self.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported (it needs prompt logprobs)")
-        return self._params(self.max_tokens, self.logprobs)
+        return self._params(self.max_tokens, self.logprobs, defaults)
 
 
 class TextPart(_Strict):
@@ -458,7 +464,7 @@ class ChatCompletionRequest(_GenerateRequest):
     separate_reasoning: Literal[True] = True
     stream_reasoning: Literal[True] = True
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """An omitted max_tokens means the rest of the context; a given one must fit in it (the
         tokenizer process checks, with the prompt's length). A `required` or named tool_choice
         constrains the reply to its calls' JSON."""
@@ -470,7 +476,7 @@ class ChatCompletionRequest(_GenerateRequest):
             else self.max_tokens
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self._params(given, logprobs, rest_of_context=True)
+        params = self._params(given, logprobs, defaults, rest_of_context=True)
         schema = self._tool_schema()
         if schema is None:
             return params

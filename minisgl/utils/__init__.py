@@ -3,7 +3,12 @@
 
 from .logger import init_logger
 from .misc import div_ceil, div_even
-from .model_path import DEFAULT_MODEL_PATH, load_eos_token_ids, resolve_model_path
+from .model_path import (
+    DEFAULT_MODEL_PATH,
+    load_eos_token_ids,
+    resolve_model_path,
+    sampling_defaults,
+)
 
 __all__ = [
     "DEFAULT_MODEL_PATH",
@@ -12,4 +17,5 @@ __all__ = [
     "init_logger",
     "load_eos_token_ids",
     "resolve_model_path",
+    "sampling_defaults",
 ]

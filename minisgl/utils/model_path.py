@@ -1,9 +1,9 @@
 import json
 from pathlib import Path
-
-from tokenizers import Tokenizer
+from typing import Any
 
 from minisgl.config import ConfigError
+from minisgl.core import SamplingParams
 
 DEFAULT_MODEL_PATH = Path(__file__).resolve().parent.parent / "assets" / "stories260K"
 
@@ -45,4 +45,33 @@ def _tokenizer_eos(path: Path) -> int | None:
         eos = eos.get("content")
     if not isinstance(eos, str):
         return None
+    from tokenizers import Tokenizer  # here: this package's top level imports nothing heavy
+
     return Tokenizer.from_file(str(vocabulary)).token_to_id(eos)
+
+
+# generation_config.json's fields that vLLM and SGLang take as the defaults of a request's
+# sampling parameters
+_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: str, model_path: Path) -> dict[str, Any]:
+    """The sampling parameters of a request that leaves them out, as vLLM's --generation-config
+    says: "auto", the model's generation_config.json's; "vllm", none (SamplingParams' own); else
+    those of the generation_config.json in the folder it names. Raises ConfigError for a file
+    that cannot be read or values SamplingParams refuses."""
+    if generation_config == "vllm":
+        return {}
+    folder = model_path if generation_config == "auto" else Path(generation_config).expanduser()
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        if generation_config == "auto":
+            return {}
+        raise ConfigError(f"--generation-config {generation_config}: no generation_config.json")
+    try:
+        data = json.loads(file.read_text())
+        defaults = {name: data[name] for name in _SAMPLING_DEFAULTS if data.get(name) is not None}
+        SamplingParams(**defaults)
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{file} cannot be read as sampling defaults: {e}") from None
+    return defaults
