@@ -103,6 +103,19 @@ def test_the_router_reads_model_and_settings_from_each_replica(server: ServerPro
     assert tokenizer["name"] == MODEL and tokenizer["source"] == str(DEFAULT_MODEL_PATH)
 
 
+def test_clients_bad_requests_leave_the_replicas_serving(server: ServerProcess) -> None:
+    """A replica's 400 is the client's error, not the replica's: 30 of them in a row (past the
+    router's circuit-breaker threshold, 10) and the next good request is still served."""
+    bad = {"model": MODEL, "prompt": "Once", "max_tokens": 100_000}
+    codes = [
+        httpx.post(server.url + "/v1/completions", json=bad, headers=server.headers).status_code
+        for _ in range(30)
+    ]
+    good = {"model": MODEL, "prompt": "Once", "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/completions", json=good, headers=server.headers)
+    assert codes == [400] * 30 and r.status_code == 200, r.text
+
+
 # 4 sessions, each a long prefix of its own (~230 tokens) and 16 questions after it, one at a
 # time; each replica's KV pool holds two such prefixes and little more
 SESSIONS, QUESTIONS, PREFIX_WORDS = 4, 16, 40

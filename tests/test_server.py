@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.server.cli import build_parser
+from minisgl.server.cli import build_parser, parse_args
+from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import tokenizer_library_imports_torch
 from .server_process import ABORT_ARRIVES_S, ServerProcess, process_name, wait_for
@@ -297,6 +298,36 @@ def test_wrong_or_missing_api_key_is_a_401(server: ServerProcess, key: str | Non
     assert httpx.get(server.url + "/health").status_code == 200  # not behind the key
 
 
+def test_browser_pages_may_call_the_api_as_in_vllm(server: ServerProcess) -> None:
+    """CORS: a preflight (which carries no key) is answered, and a call from a page may read
+    its answer; any origin by default, as vLLM's --allowed-origins."""
+    origin = {"Origin": "https://chat.example"}
+    preflight = httpx.options(
+        server.url + "/v1/completions",
+        headers={**origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"},
+    )  # fmt: skip
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    call = httpx.get(server.url + "/v1/models", headers={**origin, **server.headers})
+    assert call.status_code == 200 and call.headers["access-control-allow-origin"] == "*"
+    assert httpx.get(server.url + "/v1/models", headers=origin).status_code == 401  # still
+
+
+@pytest.mark.parametrize(
+    ("flag", "origins"), [('["https://a.example"]', ("https://a.example",)), ("[]", ())]
+)
+def test_allowed_origins_take_vllms_json_list(flag: str, origins: tuple[str, ...]) -> None:
+    assert parse_args(["--allowed-origins", flag]).allowed_origins == origins
+
+
+@pytest.mark.parametrize("flag", ["https://a.example", '"*"', "[1]"])
+def test_allowed_origins_that_are_no_json_list_are_refused(flag: str) -> None:
+    with pytest.raises(ValueError, match="--allowed-origins must be a JSON list"):
+        parse_args(["--allowed-origins", flag])
+
+
 def test_unknown_model_is_a_404(server: ServerProcess) -> None:
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="gpt-5", prompt=PROMPT)
@@ -369,8 +400,8 @@ def test_killed_client_aborts_its_request_and_frees_its_pages(server: ServerProc
     wait_for(lambda: server.metrics()["minisgl_running_requests"] == 0)
     after = server.metrics()
     assert after['minisgl_kv_pages{state="request"}'] == 0
-    assert after["minisgl_kv_integrity_checks"] > before["minisgl_kv_integrity_checks"]
-    assert after["minisgl_kv_integrity_failures"] == 0
+    assert after["minisgl_kv_integrity_checks_total"] > before["minisgl_kv_integrity_checks_total"]
+    assert after["minisgl_kv_integrity_failures_total"] == 0
     # the stream was cut before its max_tokens
     assert (
         after["minisgl_generation_tokens_total"] - before["minisgl_generation_tokens_total"]
@@ -379,7 +410,8 @@ def test_killed_client_aborts_its_request_and_frees_its_pages(server: ServerProc
 
 
 def test_metrics_report_requests_tokens_latency_and_kv_pages(server: ServerProcess) -> None:
-    server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    for _ in range(2):  # the second finds the first's prompt in the prefix cache
+        server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
     m = server.metrics()
     assert m['minisgl_requests_total{finish_reason="length"}'] >= 1
     assert m["minisgl_prompt_tokens_total"] > 0 and m["minisgl_generation_tokens_total"] >= 4
@@ -388,7 +420,21 @@ def test_metrics_report_requests_tokens_latency_and_kv_pages(server: ServerProce
     assert m["minisgl_queued_requests"] == 0
     pages = [m[f'minisgl_kv_pages{{state="{s}"}}'] for s in ("request", "cached", "free")]
     assert sum(pages) == 16384 and pages[1] > 0
+    assert m["minisgl_kv_cache_usage"] == pages[0] / sum(pages)
     assert 0 < m["minisgl_prefix_cache_hit_rate"] < 1
+    assert m["minisgl_e2e_request_latency_seconds_count"] >= 1
+    assert m['minisgl_e2e_request_latency_seconds_bucket{le="2400.0"}'] >= 1
+    kinds = dict(
+        line.split()[2:4]
+        for line in httpx.get(server.url + "/metrics").text.splitlines()
+        if line.startswith("# TYPE")
+    )
+    assert (
+        kinds["minisgl_preemptions_total"]
+        == kinds["minisgl_kv_integrity_checks_total"]
+        == "counter"
+    )
+    assert m["minisgl_preemptions_total"] >= 0
 
 
 def test_only_the_scheduler_process_loads_torch(server: ServerProcess) -> None:
@@ -458,5 +504,6 @@ def test_tokenize_detokenize_version_and_a_model_by_id(
     assert httpx.get(server.url + "/version", headers=headers).json()["version"]
     card = httpx.get(server.url + f"/v1/models/{MODEL}", headers=headers).json()
     assert card["id"] == MODEL and card["max_model_len"] == 2048
+    assert card["root"] == str(DEFAULT_MODEL_PATH) and card["parent"] is None  # as vLLM's card
     missing = httpx.get(server.url + "/v1/models/gpt-5", headers=headers)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

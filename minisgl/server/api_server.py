@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -108,6 +109,13 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
 
     if args.api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=args.api_key)
+    # added last, so outermost: a browser's preflight carries no key, and is answered here
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(args.allowed_origins),
+        allow_methods=["*"],
+        allow_headers=["*"],
+    )
 
     async def read_body(request: Request, schema: type[Body]) -> Body:
         """The body as `schema`, for the served model once the engine is ready; refused with a 413
@@ -152,6 +160,8 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             "object": "model",
             "created": created,
             "owned_by": "minisgl",
+            "root": str(args.engine.model_path),  # as vLLM's card: the weights it serves
+            "parent": None,
             "max_model_len": engine_limits().max_seq_len,
         }
 

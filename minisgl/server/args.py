@@ -23,6 +23,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 1919
     api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ("*",)  # CORS: the browser pages that may call the API
     shell: bool = False
     chat_template: str | None = None  # a Jinja template used instead of the model's
     tool_call_parser: str | None = None  # reads tool calls out of replies (tool_choice auto)

@@ -9,6 +9,7 @@ in one place; only the options given on the command line are passed on. Nothing 
 import argparse
 import dataclasses
 import importlib.metadata
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -169,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"/metrics); also read from ${API_KEY_ENV}, which `ps` does not show (default: none)",
     )
     p.add_argument(
+        "--allowed-origins",
+        help="the origins whose browser pages may call the API (CORS), as vLLM's: a JSON list "
+        '(default: ["*"], any)',
+    )
+    p.add_argument(
         "--served-model-name",
         help="the model name clients send and /v1/models lists (default: --model as given)",
     )
@@ -201,6 +207,9 @@ def parse_args(
             raise ValueError(
                 f"--chat-template {chat_template!r} is no readable file: {e}"
             ) from None
+    origins = {}
+    if ns["allowed_origins"] is not None:
+        origins["allowed_origins"] = _origins(ns["allowed_origins"])
     return ServerArgs(
         engine=EngineConfig(model_path=path, **_given(ns, EngineConfig)),
         scheduler=SchedulerConfig(**_given(ns, SchedulerConfig)),
@@ -208,8 +217,19 @@ def parse_args(
         api_key=ns["api_key"] or environ.get(API_KEY_ENV) or None,  # empty: no key, as vLLM
         chat_template=chat_template,
         limits=RequestLimits(**_given(ns, RequestLimits)),
+        **origins,
         **_given(ns, ServerArgs),
     )
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    try:
+        origins = json.loads(text)
+    except ValueError:
+        origins = None
+    if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+        raise ValueError(f'--allowed-origins must be a JSON list of strings (["*"]), not {text!r}')
+    return tuple(origins)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -214,7 +214,8 @@ class EngineClient:
             logprobs = None if msg.logprobs is None else msg.logprobs[i]
             self._deliver(route, Delta(text, logprobs))
         for finish in msg.finished:
-            self.metrics.request_finished(finish)
+            route = self._routes.get(finish.rid)  # None: ended here already (interrupted)
+            self.metrics.request_finished(finish, None if route is None else now - route.submitted)
             self._end(finish.rid, finish)
         for error in msg.errors:
             self.metrics.request_failed()

@@ -15,9 +15,9 @@ REQUEST_PAGES = 'minisgl_kv_pages{state="request"}'
 GENERATED = "minisgl_generation_tokens_total"
 PROMPT_TOKENS = "minisgl_prompt_tokens_total"
 FIRST_TOKENS = "minisgl_time_to_first_token_seconds_count"  # requests that got a first token
-PREEMPTIONS = "minisgl_preemptions"
-CHECKS = "minisgl_kv_integrity_checks"
-FAILURES = "minisgl_kv_integrity_failures"
+PREEMPTIONS = "minisgl_preemptions_total"
+CHECKS = "minisgl_kv_integrity_checks_total"
+FAILURES = "minisgl_kv_integrity_failures_total"
 REASONS = ("stop", "length", "abort", "error")
 
 Metrics = dict[str, float]
