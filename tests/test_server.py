@@ -2,6 +2,7 @@
 (the official `openai` package and httpx), on the embedded stories260K model."""
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -326,6 +327,19 @@ def test_allowed_origins_take_vllms_json_list(flag: str, origins: tuple[str, ...
 def test_allowed_origins_that_are_no_json_list_are_refused(flag: str) -> None:
     with pytest.raises(ValueError, match="--allowed-origins must be a JSON list"):
         parse_args(["--allowed-origins", flag])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_clients_request_id_names_the_reply(server: ServerProcess, stream: bool) -> None:
+    """As vLLM's: the reply's id is made of the client's X-Request-Id, which comes back too."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": stream}
+    headers = {**server.headers, "X-Request-Id": "trace-42"}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=headers)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+    first = r.text.split("\n")[0].removeprefix("data: ") if stream else r.text
+    assert json.loads(first)["id"] == "cmpl-trace-42"
+    plain = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers)
+    assert plain.headers["x-request-id"] and plain.headers["x-request-id"] != "trace-42"
 
 
 def test_unknown_model_is_a_404(server: ServerProcess) -> None:

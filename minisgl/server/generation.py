@@ -40,9 +40,13 @@ async def generate(
 ) -> Response:
     """Run `tokenize`'s requests (its choices consecutive per prompt) and answer with one response.
     Its first items come before anything is answered: a request the engine refused (they are
-    admitted all or none) still gets its 400. echo: a text each choice's starts with."""
+    admitted all or none) still gets its 400. echo: a text each choice's starts with. The reply's
+    id is the client's X-Request-Id where it sends one, as vLLM's, and the header comes back."""
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    headers = {"X-Request-Id": request_id}
     group = client.submit(tokenize)
-    run = _Run(client, group, fmt, model, tokenize.params, want_logprobs, timeout)
+    reply_id = f"{fmt.id_prefix}-{request_id}"
+    run = _Run(client, group, fmt, model, reply_id, tokenize.params, want_logprobs, timeout)
     streaming = False
     try:
         first = await _until_disconnected(request, run.next_items())
@@ -51,9 +55,11 @@ async def generate(
         if stream:
             streaming = True  # the stream aborts what is left of the group when it ends
             return StreamingResponse(
-                run.stream(first, include_usage), media_type="text/event-stream"
+                run.stream(first, include_usage), media_type="text/event-stream", headers=headers
             )
-        return json_response(await _until_disconnected(request, run.collect(first)))
+        return json_response(
+            await _until_disconnected(request, run.collect(first)), headers=headers
+        )
     except _ClientGone:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     finally:
@@ -93,13 +99,14 @@ class _Run:
         group: ReqGroup,
         fmt: ReplyFormat,
         model: str,
+        reply_id: str,
         params: list[SamplingParams],
         want_logprobs: bool,
         timeout: float | None,
     ) -> None:
         self.client, self.group, self.fmt = client, group, fmt
         self.model, self.n, self.want_logprobs = model, len(params), want_logprobs
-        self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+        self.id = reply_id
         self.created = int(time.time())
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.choices = [Choice() for _ in group.rids]
