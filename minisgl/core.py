@@ -262,9 +262,11 @@ _NUMBERS = (
 
 def _plain_number(x: Any) -> Any:
     """A numpy integer as an int and a numpy float as a float; anything else as it is."""
-    if isinstance(x, numbers.Integral) and not isinstance(x, (int, bool)):
+    if type(x) in (int, float, bool):
+        return x
+    if isinstance(x, numbers.Integral):
         return int(x)
-    if isinstance(x, numbers.Real) and not isinstance(x, (int, float)):
+    if isinstance(x, numbers.Real):
         return float(x)
     return x
 

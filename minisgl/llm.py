@@ -138,9 +138,8 @@ class LLM:
         step it cut off may have published pages before writing them)."""
         prompt_ids = self._tokenize(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            prompt_params = [sampling_params or self.get_default_sampling_params()] * len(
-                prompt_ids
-            )
+            params = sampling_params or self.get_default_sampling_params()
+            prompt_params = [params] * len(prompt_ids)
         else:
             if not isinstance(sampling_params, (list, tuple)):
                 raise ValueError("sampling_params must be a SamplingParams or a list of them")

@@ -88,18 +88,18 @@ def test_bad_sampling_params_raise(llm: LLM, expected: list[int], params: dict, 
 def test_numpy_numbers_are_taken_as_pythons() -> None:
     params = SamplingParams(
         temperature=np.float32(0.5), top_k=np.int64(5), max_tokens=np.int32(7), seed=np.uint8(3),
-        repetition_penalty=np.float16(2.5), logit_bias={np.int32(9): np.float32(1.5)},
-        stop_token_ids=[np.int64(4)],
+        top_p=np.float64(0.5), repetition_penalty=np.float16(2.5),
+        logit_bias={np.int32(9): np.float64(1.5)}, stop_token_ids=[np.int64(4)],
     )  # fmt: skip
     plain = SamplingParams(
-        temperature=0.5, top_k=5, max_tokens=7, seed=3, repetition_penalty=2.5,
+        temperature=0.5, top_k=5, max_tokens=7, seed=3, top_p=0.5, repetition_penalty=2.5,
         logit_bias={9: 1.5}, stop_token_ids=[4],
     )  # fmt: skip
     assert params == plain
-    assert all(
-        type(getattr(params, name)) is type(getattr(plain, name))
-        for name in ("top_k", "temperature")
-    )
+    names = ("temperature", "top_k", "max_tokens", "seed", "top_p", "repetition_penalty")
+    numbers = [getattr(params, name) for name in names]
+    numbers += [*params.logit_bias[0], *params.stop_token_ids]
+    assert {type(x) for x in numbers} == {int, float}
 
 
 @pytest.mark.parametrize(

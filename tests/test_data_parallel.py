@@ -24,6 +24,7 @@ from .server_process import ServerProcess, process_name, read_metrics, wait_for
 
 MODEL = "stories"
 API_KEY = "dp-key"
+ORIGIN = "https://chat.example"
 SERVED = 'minisgl_requests_total{finish_reason="length"}'
 PROMPT_TOKENS = "minisgl_prompt_tokens_total"
 CACHED_TOKENS = "minisgl_cached_prompt_tokens_total"
@@ -53,7 +54,10 @@ def _text(rng: random.Random, words: int) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    s = _start(tmp_path_factory.mktemp("dp"), "--max-kv-tokens", "8192", api_key=API_KEY)
+    s = _start(
+        tmp_path_factory.mktemp("dp"), "--max-kv-tokens", "8192",
+        "--allowed-origins", json.dumps([ORIGIN]), api_key=API_KEY,
+    )  # fmt: skip
     yield s
     s.stop(signal.SIGINT)  # a terminal's Ctrl-C reaches the router too
 
@@ -114,6 +118,18 @@ def test_clients_bad_requests_leave_the_replicas_serving(server: ServerProcess) 
     good = {"model": MODEL, "prompt": "Once", "max_tokens": 2}
     r = httpx.post(server.url + "/v1/completions", json=good, headers=server.headers)
     assert codes == [400] * 30 and r.status_code == 200, r.text
+
+
+def test_the_router_takes_the_allowed_origins(server: ServerProcess) -> None:
+    """--allowed-origins reaches the router, the replicas' public face."""
+
+    def preflight(origin: str) -> httpx.Response:
+        headers = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+        return httpx.options(server.url + "/v1/completions", headers=headers)
+
+    allowed = preflight(ORIGIN)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    assert "access-control-allow-origin" not in preflight("https://other.example").headers
 
 
 # 4 sessions, each a long prefix of its own (~230 tokens) and 16 questions after it, one at a

@@ -329,6 +329,11 @@ def test_allowed_origins_that_are_no_json_list_are_refused(flag: str) -> None:
         parse_args(["--allowed-origins", flag])
 
 
+def test_the_routers_cors_cannot_refuse_every_origin() -> None:
+    with pytest.raises(ValueError, match="sglang-router cannot refuse every origin"):
+        parse_args(["--dp", "2", "--allowed-origins", "[]"])
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_clients_request_id_names_the_reply(server: ServerProcess, stream: bool) -> None:
     """As vLLM's: the reply's id is made of the client's X-Request-Id, which comes back too."""

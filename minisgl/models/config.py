@@ -171,11 +171,9 @@ def _rope_settings(config: PretrainedConfig) -> tuple[float, RopeScaling | None]
     scaling = dict(getattr(config, "rope_scaling", None) or params)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     scaling.pop("rope_theta", None)
+    # Hugging Face's default RoPE ignores it, its llama3 RoPE and vLLM do not: refused
     partial = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
-    if partial not in (
-        None,
-        1.0,
-    ):  # Hugging Face's default RoPE ignores it, its llama3 RoPE and vLLM do not
+    if partial not in (None, 1.0):
         raise ConfigError(f"unsupported partial_rotary_factor {partial}; supported: 1.0")
     scaling.pop("partial_rotary_factor", None)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))

@@ -34,11 +34,11 @@ _MERGED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
-_PARTS_OF = {
+# merged name -> its parts, in their order inside it
+_PARTS = {
     merged: [module for module, (target, _) in _MERGED.items() if target == merged]
-    for merged in _PARTS
-}  # in their order inside the merged tensor
+    for merged, _ in _MERGED.values()
+}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _EMBEDDING = "model.embed_tokens.weight"
 
@@ -135,9 +135,11 @@ class Checkpoint:
 
 
 def _checkpoint_files(model_path: Path) -> list[Path]:
-    """The files of the checkpoint: those its index names, else model.safetensors (as Hugging
-    Face loads it: an adapter or a consolidated copy beside it is no part of it), else every
+    """The files of the checkpoint, in Hugging Face's order: model.safetensors (an adapter or a
+    consolidated copy beside it is no part of it), else those its index names, else every
     *.safetensors file."""
+    if (single := model_path / "model.safetensors").is_file():
+        return [single]
     index = model_path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -152,8 +154,6 @@ def _checkpoint_files(model_path: Path) -> list[Path]:
                 "that did not finish?)"
             )
         return files
-    if (single := model_path / "model.safetensors").is_file():
-        return [single]
     files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise ConfigError(
@@ -202,10 +202,11 @@ def scan_checkpoint(
             sources[file].append(_Source(name, target, full_shape, expert))
             covered.setdefault(target, set()).add(name)
     if names is not None:
+        per_expert_files = any(s.expert is not None for file in sources.values() for s in file)
         missing = [
             source
             for target in names
-            for source in _sources_of(target, covered.get(target, set()), config)
+            for source in _sources_of(target, covered.get(target, set()), per_expert_files, config)
             if source not in covered.get(target, ())
         ]
         if missing:
@@ -215,12 +216,16 @@ def scan_checkpoint(
     return Checkpoint(sources, tied_head)
 
 
-def _sources_of(target: str, found: set[str], config: ModelConfig) -> list[str]:
-    """The checkpoint tensors that make up the model's `target`, of which `found` came."""
+def _sources_of(
+    target: str, found: set[str], per_expert_files: bool, config: ModelConfig
+) -> list[str]:
+    """The checkpoint tensors that make up the model's `target`, of which `found` came; experts
+    are read from their fused tensor where it came, else one tensor per expert where the
+    checkpoint stores them so."""
     module = target.split(".")[-2]
     if module in _PARTS:
-        return [target.replace(f".{module}.", f".{part}.") for part in _PARTS_OF[module]]
-    if module == "experts" and found - {target}:  # stored one tensor per expert
+        return [target.replace(f".{module}.", f".{part}.") for part in _PARTS[module]]
+    if module == "experts" and target not in found and (found or per_expert_files):
         assert config.moe is not None
         return per_expert_names(target, config.moe.num_experts)
     return [target]
@@ -264,7 +269,7 @@ def load_weights(
                 merged, part = _MERGED[module]
                 parts = pending.setdefault(target, {})
                 parts[part] = tensor
-                if len(parts) == _PARTS[merged]:
+                if len(parts) == len(_PARTS[merged]):
                     del pending[target]
                     yield target, torch.cat([parts[i] for i in range(len(parts))])
 

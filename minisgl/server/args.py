@@ -57,6 +57,10 @@ class ServerArgs:
             )
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, not {self.dp_size}")
+        if self.dp_size > 1 and not self.allowed_origins:
+            raise ValueError(
+                "--dp: sglang-router cannot refuse every origin (--allowed-origins [])"
+            )
         for flag, name, known in [
             ("--tool-call-parser", self.tool_call_parser, TOOL_PARSERS),
             ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS),

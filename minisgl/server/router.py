@@ -42,10 +42,11 @@ def run_router(args: ServerArgs, replica_urls: list[str], metrics_port: int) -> 
             worker_startup_check_interval=1,
             health_check_interval_secs=_HEALTH_INTERVAL_S,
             health_failure_threshold=_HEALTH_FAILURES,
-            # its breaker counts a replica's 4xx (a client's bad request) against the replica:
-            # 20 bad requests opened every breaker, and all requests got 503 for 60 s; a dead
-            # replica is taken out by leave_out and the health checks instead
+            # its breaker counts a replica's 4xx (the client's error) against the replica; a
+            # dead replica is taken out by leave_out and the health checks instead
             disable_circuit_breaker=True,
+            # the router's empty list allows every origin
+            cors_allowed_origins=[] if "*" in args.allowed_origins else list(args.allowed_origins),
             # the replicas stop a request at --request-timeout: the router waits for that answer
             request_timeout_secs=(
                 _NO_TIMEOUT_S
