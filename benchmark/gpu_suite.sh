@@ -43,8 +43,10 @@ step() {  # step NAME TIMEOUT CMD...: run, keep the log, put the table's tail in
 }
 
 without_pdl() {  # programmatic dependent launch off, against the bench and latency parts
-  step no_pdl 240 env MINISGL_PDL=0 python3 benchmark/offline/bench.py --skip-hf
-  step latency_no_pdl 240 env MINISGL_PDL=0 python3 benchmark/offline/latency.py
+  step no_pdl 240 env MINISGL_PDL=0 python3 benchmark/offline/bench.py --skip-hf \
+    --json "$OUT/no_pdl.json"
+  step latency_no_pdl 240 env MINISGL_PDL=0 python3 benchmark/offline/latency.py \
+    --json "$OUT/latency_no_pdl.json"
 }
 
 serving() {  # serving NAME MODEL [SERVER ARGS...]: bench_serving.py at each of $RATES (default: max
@@ -53,9 +55,9 @@ serving() {  # serving NAME MODEL [SERVER ARGS...]: bench_serving.py at each of 
   local name=$1 model=$2
   shift 2
   for proc in scheduler-0 tokenizer api-server; do
-    (until pid=$(pgrep -x "$proc"); do sleep 0.5; done
-     py-spy record --nonblocking --format raw -r 100 -o "$OUT/pyspy-$name-$proc.txt" -p "$pid" \
-       >/dev/null 2>&1) &
+    (for _ in $(seq 840); do pid=$(pgrep -x "$proc") && break; sleep 0.5; done  # the step's 420 s
+     [ -n "$pid" ] && py-spy record --nonblocking --format raw -r 100 \
+       -o "$OUT/pyspy-$name-$proc.txt" -p "$pid" >/dev/null 2>&1) &
   done
   step "$name" 420 python3 benchmark/online/bench_serving.py --launch --offline --no-progress \
     --model "$model" --request-rate ${RATES:-inf} --result-json "$OUT/$name.json" \
@@ -116,12 +118,14 @@ for part in "$@"; do
       step gemv_a3b 300 python3 benchmark/kernel/bench_gemv.py --sweep \
         --shapes ${GEMV_SHAPES:-a3b_qkv_proj a3b_o_proj a3b_lm_head} --json "$OUT/gemv_a3b.json" ;;
     host) step host 120 python3 benchmark/host/bench_decode_step.py --device cuda ;;
-    latency) step latency 240 python3 benchmark/offline/latency.py ;;
+    latency) step latency 240 python3 benchmark/offline/latency.py --json "$OUT/latency.json" ;;
     latency-8b) step latency_8b 240 python3 benchmark/offline/latency.py \
       --model benchmark/presets/llama-3.1-8b --json "$OUT/latency_8b.json" ;;
-    bench) step bench 300 python3 benchmark/offline/bench.py --skip-hf --repeats "${REPEATS:-1}" ;;
+    bench) step bench 300 python3 benchmark/offline/bench.py --skip-hf --repeats "${REPEATS:-1}" \
+      --json "$OUT/bench.json" ;;
     bench-hf) step bench_hf 300 python3 benchmark/offline/bench.py --json "$OUT/bench_hf.json" ;;
-    profile) step profile 300 python3 benchmark/offline/bench.py --skip-hf --profile ;;
+    profile) step profile 300 python3 benchmark/offline/bench.py --skip-hf --profile \
+      --json "$OUT/profile.json" ;;
     cprofile) step cprofile 300 python3 -m cProfile -o "$OUT/bench.prof" benchmark/offline/bench.py --skip-hf ;;
     profile-shapes)  # where the large shapes leave the floor (issue 27)
       for preset in ${PRESETS:-llama-3.1-8b qwen2.5-7b}; do

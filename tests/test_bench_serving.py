@@ -4,6 +4,8 @@ embedded model, checking that its JSON has every field with sane values."""
 
 import itertools
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +14,17 @@ import httpx
 import pytest
 
 from .conftest import DEVICE
+from .server_process import free_port, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark" / "online"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark" / "offline"))
-from client import RequestResult
+from client import RequestResult, run_clients, split_jobs
 from common import make_workload
-from serving_metrics import parse_slos, summarize
-from workload import load_trace, poisson_arrivals, random_workload, shifted
+from serving_metrics import count_text_tokens, parse_slos, summarize
+from workload import arrivals, load_trace, random_workload, shifted
 
-BENCH_SERVING = Path(__file__).resolve().parents[1] / "benchmark" / "online" / "bench_serving.py"
+REPO = Path(__file__).resolve().parents[1]
+BENCH_SERVING = REPO / "benchmark" / "online" / "bench_serving.py"
 
 # RequestResult(index, ok, sent at, TTFT, ITLs, E2E latency, output tokens), times in s
 # request 0: first event at 0.1 s, then 0.3 and 0.4 (gaps 0.2, 0.1), 4 tokens: TPOT 0.3 / 3 = 0.1
@@ -62,6 +66,16 @@ def test_goodput_counts_requests_meeting_every_slo(slos: dict[str, float], good:
     assert m["request_goodput"] == pytest.approx(good / 2.0)
 
 
+def test_a_request_without_usage_counts_its_texts_tokens_as_vllm() -> None:
+    """One event may hold several tokens: without a usage chunk the streamed text is tokenized
+    again (here 5 tokens in 2 events), not its events counted."""
+    result = RequestResult(0, True, 0.0, 0.1, [0.4], 0.5, text="a b c d e")
+    count_text_tokens([result], str.split)
+    m = summarize([result], [3], duration_s=1.0, slos={})
+    assert m["total_output_tokens"] == 5 and m["output_tokens_from"] == "text"
+    assert m["tpot_ms"]["mean"] == pytest.approx(1e3 * 0.4 / 4)
+
+
 def test_slos_parse_from_name_and_ms() -> None:
     assert parse_slos(["ttft:500", "e2el:2000.5"]) == {"ttft": 500.0, "e2el": 2000.5}
     for bad in ("itl:5", "ttft", "ttft:-1", "ttft:fast"):
@@ -69,14 +83,23 @@ def test_slos_parse_from_name_and_ms() -> None:
             parse_slos([bad])
 
 
-def test_poisson_arrivals_are_seeded_with_the_mean_gap_of_the_rate() -> None:
-    arrivals = poisson_arrivals(20000, rate=50.0, seed=3)
-    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    assert arrivals[0] == 0 and min(gaps) >= 0
-    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.03)
-    assert poisson_arrivals(100, 50.0, seed=3) == arrivals[:100]
-    assert poisson_arrivals(100, 50.0, seed=4) != arrivals[:100]
-    assert poisson_arrivals(5, float("inf"), seed=3) == [0.0] * 5
+@pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
+def test_arrivals_offer_exactly_the_rate_with_vllms_gamma_gaps(burstiness: float) -> None:
+    """As vLLM's `bench serve`: the last request arrives at N / rate whatever the seed; the gaps'
+    spread is the gamma's (coefficient of variation 1 / sqrt(burstiness))."""
+    times = arrivals(20000, rate=50.0, burstiness=burstiness, seed=3)
+    gaps = [times[0], *(b - a for a, b in itertools.pairwise(times))]
+    assert times[-1] == pytest.approx(20000 / 50.0) and min(gaps) >= 0
+    assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(
+        burstiness**-0.5, rel=0.05
+    )
+    assert arrivals(100, 50.0, burstiness, seed=3) != arrivals(100, 50.0, burstiness, seed=4)
+    assert arrivals(100, 50.0, burstiness, seed=3)[-1] == pytest.approx(2.0)
+
+
+def test_arrivals_at_an_infinite_rate_or_burstiness() -> None:
+    assert arrivals(5, math.inf, 1.0, seed=3) == [0.0] * 5
+    assert arrivals(4, 8.0, math.inf, seed=3) == pytest.approx([0.125, 0.25, 0.375, 0.5])
 
 
 def test_trace_replays_arrivals_lengths_and_shared_blocks(tmp_path: Path) -> None:
@@ -135,6 +158,38 @@ RUN_FIELDS = {
 }
 
 
+@pytest.fixture
+def sse_stub():
+    port = free_port()
+    stub = subprocess.Popen([sys.executable, "-m", "tests.sse_stub", str(port)], cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _answers(url + "/peak"), timeout=30)
+    yield url
+    stub.kill()
+    stub.wait()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_the_concurrency_cap_is_shared_by_every_client_process(sse_stub: str) -> None:
+    """As vLLM's one semaphore: process 1's long request holds one of the 2 slots, and process
+    0's requests take the other one after the other; its request 3 then starts at once in the
+    slot request 2 left, not after request 1 (3 s) as a cap split 1 + 1 would have it."""
+    waits = [0.1, 3.0, 0.1, 0.1]
+    sends = [(i, 0.0, {"wait_s": wait}) for i, wait in enumerate(waits)]
+    jobs = split_jobs(sse_stub + "/v1/completions", {}, sends, num_procs=2, max_concurrency=2)
+    start, reports = run_clients(jobs, 2, lambda: None)
+    results = {r.index: r for report in reports for r in report.results}
+    assert all(r.ok for r in results.values()), results
+    assert httpx.get(sse_stub + "/peak").json()["peak"] == 2
+    assert results[3].start - start < 2.0, results[3].start - start
+
+
 def test_smoke_run_against_our_server_reports_every_field(tmp_path: Path) -> None:
     result, png = tmp_path / "result.json", tmp_path / "result.png"
     command = [sys.executable, str(BENCH_SERVING), "--launch"]
@@ -149,6 +204,7 @@ def test_smoke_run_against_our_server_reports_every_field(tmp_path: Path) -> Non
 
     payload = json.loads(result.read_text())
     assert png.read_bytes().startswith(b"\x89PNG")
+    assert len(payload["provenance"]["commit"]) == 40 and payload["provenance"]["date"]
     workload = make_workload(8, 8, 32, vocab_size=512)
     assert payload["workload"] == {
         "kind": "random",

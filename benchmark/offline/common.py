@@ -9,10 +9,14 @@ routing (`record_experts_per_layer`).
 """
 
 import argparse
+import datetime
 import gc
 import json
+import os
+import platform
 import random
 import statistics
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -278,8 +282,33 @@ def print_table(rows: Sequence[Row]) -> None:
 
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    """The payload, with where and when it was measured (as RESULTS.md records each figure)."""
     if path is not None:
-        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+        Path(path).write_text(json.dumps({"provenance": provenance(), **payload}, indent=2) + "\n")
+
+
+def provenance() -> dict[str, Any]:
+    """The date, the commit (None outside a git checkout, as on the device's copy of the tree),
+    whether the tree differed from it, and the machine."""
+    repo = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        return run.stdout.strip() if run.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD") or None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit,
+        "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no"))
+        if commit
+        else None,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

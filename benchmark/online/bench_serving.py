@@ -4,9 +4,10 @@ prefix-cache hit rate of each run, at each request rate given.
 
 Workload: nano-vllm's by default (256 requests, prompt and output lengths uniform in 100-1024,
 seed 0, random prompt ids, ignore_eos, temperature 0.6), the same requests behind a shared prefix,
-or a JSONL trace (workload.py). Arrivals are Poisson at each --request-rate (inf: all at once),
-optionally capped at --max-concurrency in flight; the client runs in --num-client-procs processes
-and reports how busy each was. Each run after the first sends the prompts shifted in the
+or a JSONL trace (workload.py). Arrivals offer each --request-rate, spread as vLLM's are (Poisson,
+or gamma gaps of shape --burstiness; inf: all at once), optionally capped at --max-concurrency in
+flight over all clients; the client runs in --num-client-procs processes and reports how busy
+each was. Each run after the first sends the prompts shifted in the
 vocabulary (the same lengths), so that none finds an earlier run's prompts in the prefix cache; a
 second invocation against the same server does find them (the hit rate shows it).
 
@@ -103,11 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-rate",
         type=positive(float),
         nargs="+",
-        help="requests/s of Poisson arrivals, one run each, in increasing order; inf: all at "
-        "once (default: inf; a trace brings its own arrivals)",
+        help="requests/s offered, one run each, in increasing order, the arrivals spread as "
+        "--burstiness says; inf: all at once (default: inf; a trace brings its own arrivals)",
     )
     load.add_argument(
-        "--max-concurrency", type=positive(int), help="requests in flight at most (default: any)"
+        "--burstiness",
+        type=positive(float),
+        default=1.0,
+        help="the arrivals' gamma shape, as vLLM's: 1 Poisson, below 1 burstier, above steadier, "
+        "inf evenly spaced (default: 1)",
+    )
+    load.add_argument(
+        "--max-concurrency",
+        type=positive(int),
+        help="requests in flight at most, over all client processes (default: any)",
     )
     load.add_argument(
         "--num-client-procs",

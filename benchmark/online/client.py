@@ -1,6 +1,7 @@
 """The client processes. Each runs an asyncio loop with one httpx.AsyncClient, sends its share of
-the requests at their arrival times (with at most its share of the concurrency cap in flight),
-times every streamed event and reports how busy its CPU was, so a slow client shows.
+the requests at their arrival times (while the processes together have fewer than the
+concurrency cap in flight: one semaphore for all, as vLLM's one client has), times every streamed
+event and reports how busy its CPU was, so a slow client shows.
 
     parent ── spawn ──▶ client 0 .. n-1 ── HTTP ──▶ server
       ▲  (queue: ready, one `done` a request, the report)  │
@@ -16,13 +17,13 @@ import multiprocessing
 import queue
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
-from multiprocessing.synchronize import Event
+from multiprocessing.synchronize import Event, Semaphore
 from typing import Any
 
 import httpx
@@ -39,7 +40,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # between streamed events with a choice
     latency: float = 0.0  # to the last streamed event with a choice (or the failure)
     output_tokens: int = 0
-    tokens_from_usage: bool = False  # else counted as streamed events
+    tokens_from_usage: bool = False  # else the text's tokens (`count_text_tokens`)
+    text: str = ""  # the streamed output
     prompt_tokens: int | None = None  # as the usage chunk gives them
     cached_tokens: int | None = None  # the usage chunk's prompt_tokens_details.cached_tokens
     error: str | None = None
@@ -50,7 +52,6 @@ class ClientJob:
     url: str
     headers: dict[str, str]
     requests: list[tuple[int, float, dict[str, Any]]]  # (index, arrival in s, body)
-    max_in_flight: int | None  # None: no cap
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,9 @@ def split_jobs(
     max_concurrency: int | None,
 ) -> list[ClientJob]:
     """Deal the requests out round-robin to at most `num_procs` processes (no more than there are
-    requests or concurrency slots), each with its share of the cap."""
+    requests or concurrency slots)."""
     n = min(num_procs, len(requests), max_concurrency or num_procs)
-    caps: list[int | None] = [None] * n
-    if max_concurrency is not None:
-        caps = [max_concurrency // n + (i < max_concurrency % n) for i in range(n)]
-    return [ClientJob(url, headers, requests[i::n], caps[i]) for i in range(n)]
+    return [ClientJob(url, headers, requests[i::n]) for i in range(n)]
 
 
 def new_client() -> httpx.AsyncClient:
@@ -87,7 +85,7 @@ async def stream_request(
 ) -> RequestResult:
     """Send one streamed request and time its events; failures are results, not exceptions."""
     result = RequestResult(index, start=time.monotonic())
-    last, events, usage = result.start, 0, None
+    last, usage = result.start, None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code != 200:
@@ -101,12 +99,13 @@ async def stream_request(
                     now, event = time.monotonic(), json.loads(data)
                     if event.get("error"):
                         result.error = f"error event: {event['error']}"
-                    if event.get("choices"):
+                    if choices := event.get("choices"):
+                        result.text += _text_of(choices[0])
                         if result.ttft is None:
                             result.ttft = now - result.start
                         else:
                             result.itl.append(now - last)
-                        last, events = now, events + 1
+                        last = now
                     usage = event.get("usage") or usage  # some servers put it in every chunk
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
@@ -119,9 +118,12 @@ async def stream_request(
         result.output_tokens, result.tokens_from_usage = usage["completion_tokens"], True
         result.prompt_tokens = usage.get("prompt_tokens")
         result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    else:
-        result.output_tokens = events
     return result
+
+
+def _text_of(choice: dict[str, Any]) -> str:
+    """A streamed choice's text: a completion's, or a chat delta's content."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 async def send_together(
@@ -133,18 +135,30 @@ async def send_together(
         return list(await asyncio.gather(*sends))
 
 
+@asynccontextmanager
+async def _slot(slots: Semaphore | None) -> AsyncIterator[None]:
+    """One of the processes' shared concurrency slots, held while the block runs."""
+    if slots is None:
+        yield
+        return
+    await asyncio.get_running_loop().run_in_executor(None, slots.acquire)
+    try:
+        yield
+    finally:
+        slots.release()
+
+
 async def _run_job(
-    job: ClientJob, to_parent: Queue, go: Event, start_at: Synchronized
+    job: ClientJob, slots: Semaphore | None, to_parent: Queue, go: Event, start_at: Synchronized
 ) -> ClientReport:
     async with new_client() as client:
-        cap = asyncio.Semaphore(job.max_in_flight) if job.max_in_flight else None
         to_parent.put(("ready", None))
         go.wait()  # nothing runs on the loop yet: blocking it here holds nothing up
         start, cpu_start = start_at.value, time.process_time()
 
         async def one(index: int, arrival_s: float, body: dict[str, Any]) -> RequestResult:
             await asyncio.sleep(max(0.0, start + arrival_s - time.monotonic()))
-            async with cap or nullcontext():
+            async with _slot(slots):
                 result = await stream_request(client, job.url, job.headers, body, index)
             to_parent.put(("done", None))
             return result
@@ -154,9 +168,11 @@ async def _run_job(
     return ClientReport(list(results), busy)
 
 
-def _client_main(job: ClientJob, to_parent: Queue, go: Event, start_at: Synchronized) -> None:
+def _client_main(
+    job: ClientJob, slots: Semaphore | None, to_parent: Queue, go: Event, start_at: Synchronized
+) -> None:
     try:
-        to_parent.put(("report", asyncio.run(_run_job(job, to_parent, go, start_at))))
+        to_parent.put(("report", asyncio.run(_run_job(job, slots, to_parent, go, start_at))))
     except BaseException:
         to_parent.put(("error", traceback.format_exc()))
 
@@ -176,14 +192,16 @@ def _messages(inbox: Queue, procs: Sequence[BaseProcess]) -> Iterator[tuple[str,
 
 
 def run_clients(
-    jobs: list[ClientJob], on_done: Callable[[], object]
+    jobs: list[ClientJob], max_concurrency: int | None, on_done: Callable[[], object]
 ) -> tuple[float, list[ClientReport]]:
-    """(the instant the run started, each process's report); `on_done` is called as each request
-    finishes. Every process is ready before the common start, so none starts late."""
+    """(the instant the run started, each process's report), at most `max_concurrency` requests
+    in flight over all the processes; `on_done` is called as each request finishes. Every
+    process is ready before the common start, so none starts late."""
     ctx = multiprocessing.get_context("spawn")  # a fork would copy whatever the parent holds
     inbox, go, start_at = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+    slots = None if max_concurrency is None else ctx.BoundedSemaphore(max_concurrency)
     procs = [
-        ctx.Process(target=_client_main, args=(job, inbox, go, start_at), daemon=True)
+        ctx.Process(target=_client_main, args=(job, slots, inbox, go, start_at), daemon=True)
         for job in jobs
     ]
     for proc in procs:

@@ -16,13 +16,13 @@ from offline import OfflineJob, engine_overrides, run_offline
 from report import plot, print_report
 from server import LaunchedServer, free_port
 from server_metrics import cache_delta, scrape
-from serving_metrics import parse_slos, summarize
+from serving_metrics import count_text_tokens, parse_slos, summarize
 from tqdm import tqdm
 from transformers import AutoTokenizer
 from workload import (
     BenchRequest,
+    arrivals,
     load_trace,
-    poisson_arrivals,
     random_workload,
     shared_prefix_workload,
     shifted,
@@ -124,21 +124,24 @@ class Benchmark:
         """One run: the workload (shifted by `shift`) at `rate`, or at the trace's arrivals."""
         args, requests = self.args, self.requests
         if rate is None:
-            arrivals = [r.arrival_s or 0.0 for r in requests]
+            times = [r.arrival_s or 0.0 for r in requests]
         else:
-            arrivals = poisson_arrivals(len(requests), rate, args.seed)
+            times = arrivals(len(requests), rate, args.burstiness, args.seed)
         output_lens = [r.output_len for r in requests]
         bodies = self.bodies(model, self.prompts(shift), output_lens)
-        sends = [(i, arrivals[i], body) for i, body in enumerate(bodies)]
+        sends = [(i, times[i], body) for i, body in enumerate(bodies)]
         jobs = split_jobs(
             self.url, self.headers, sends, args.num_client_procs, args.max_concurrency
         )
         label = "trace" if rate is None else rate_label(rate)
         before = scrape(self.base_url, self.headers)
         with tqdm(total=len(sends), desc=f"request rate {label}", disable=args.no_progress) as bar:
-            start, reports = run_clients(jobs, bar.update)
+            start, reports = run_clients(jobs, args.max_concurrency, bar.update)
         after = scrape(self.base_url, self.headers)
         results = sorted((r for report in reports for r in report.results), key=lambda r: r.index)
+        count_text_tokens(
+            results, lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+        )
         duration = max(r.start + r.latency for r in results) - start
         prompt_lens = [len(r.prompt) for r in requests]
         busy = [report.busy_share for report in reports]

@@ -11,7 +11,7 @@ client's timings of each request:
 Each latency is reported in ms as mean, p50, p90 and p99 (numpy's linear percentiles, as vLLM).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,10 +58,18 @@ def meets_slos(result: RequestResult, slos: dict[str, float]) -> bool:
     return all(seconds[name] * 1e3 <= ms for name, ms in slos.items())
 
 
+def count_text_tokens(results: Sequence[RequestResult], tokenize: Callable[[str], list]) -> None:
+    """The output tokens of each request whose server sent no usage chunk: its streamed text
+    tokenized again, as vLLM's `bench serve` counts them (an event may hold several tokens)."""
+    for r in results:
+        if r.ok and not r.tokens_from_usage:
+            r.output_tokens = len(tokenize(r.text))
+
+
 def _count_source(done: Sequence[RequestResult]) -> str | None:
-    """Where the output token counts come from: "usage" (the usage chunk), "events" (counted
-    streamed events, where the server sent no usage), "mixed", or None without results."""
-    sources = {"usage" if r.tokens_from_usage else "events" for r in done}
+    """Where the output token counts come from: "usage" (the usage chunk), "text" (the streamed
+    text tokenized again, where the server sent no usage), "mixed", or None without results."""
+    sources = {"usage" if r.tokens_from_usage else "text" for r in done}
     return sources.pop() if len(sources) == 1 else ("mixed" if sources else None)
 
 

@@ -11,7 +11,9 @@ name the prompt's blocks of `block_size` tokens: the same id is the same block, 
 the prefixes the trace says they share. All prompt ids are random, drawn as nano-vllm draws them.
 """
 
+import itertools
 import json
+import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -91,13 +93,21 @@ def shifted(requests: list[BenchRequest], shift: int, vocab_size: int) -> list[B
     return [replace(r, prompt=[(t + shift) % vocab_size for t in r.prompt]) for r in requests]
 
 
-def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
-    """Arrival times in seconds of a Poisson process of `rate` requests/s, the first at 0; an
-    infinite rate sends every request at once."""
-    if rate == float("inf"):
+def arrivals(num_requests: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Arrival times in seconds, drawn as vLLM's `bench serve` draws them: gaps of mean 1/rate
+    from a gamma distribution of shape `burstiness` (1: a Poisson process; below 1 burstier,
+    above 1 steadier; inf: even gaps), one before the first request too, scaled so that the last
+    arrives at num_requests / rate: every seed offers exactly `rate`. An infinite rate sends
+    every request at once."""
+    if rate == math.inf:
         return [0.0] * num_requests
     rng = random.Random(seed)
-    arrivals = [0.0]
-    for _ in range(num_requests - 1):
-        arrivals.append(arrivals[-1] + rng.expovariate(rate))
-    return arrivals
+    gaps = [
+        1 / rate
+        if burstiness == math.inf
+        else rng.gammavariate(burstiness, 1 / (rate * burstiness))
+        for _ in range(num_requests)
+    ]
+    times = list(itertools.accumulate(gaps))
+    scale = num_requests / rate / times[-1]
+    return [t * scale for t in times]
