@@ -159,6 +159,27 @@ def test_a_named_choice_reply_is_that_call_s_arguments() -> None:
     )
 
 
+def _reply(make: Callable[[], ReplyParser], pieces: list[str]) -> list[tuple[str, str, list]]:
+    parser = make()
+    return [parser.feed(piece, False) for piece in pieces] + [parser.feed("", True)]
+
+
+def test_a_named_call_begins_after_the_thinking() -> None:
+    """Its id and name come with the reply's first text, not while the model thinks; a reply
+    cut short while thinking still ends with a call whose arguments are JSON."""
+
+    def make() -> ReplyParser:
+        return ReplyParser(Qwen3ReasoningParser({}, constrained=True), NamedToolParser("f"))
+
+    steps = _reply(make, ["<think>a", "b</think>", '{"x": 1}'])
+    assert [calls for _, _, calls in steps[:2]] == [[], []]
+    assert "".join(reasoning for reasoning, _, _ in steps) == "ab"
+    calls = merge_calls([d for _, _, deltas in steps for d in deltas])
+    assert [c["function"] for c in calls] == [{"name": "f", "arguments": '{"x": 1}'}]
+    cut = merge_calls([d for _, _, deltas in _reply(make, ["<think>a"]) for d in deltas])
+    assert [c["function"] for c in cut] == [{"name": "f", "arguments": "{}"}]
+
+
 def _reasoning(kwargs: dict, pieces: list[str], constrained: bool = False) -> tuple[str, str]:
     parser, reasoning, content = Qwen3ReasoningParser(kwargs, constrained), "", ""
     for piece in [*pieces, None]:

@@ -10,11 +10,15 @@ the random weights' thinking."""
 import json
 from typing import Any
 
+import jsonschema
 import pytest
+import xgrammar
 
 from minisgl.core import SamplingParams
 from minisgl.messages import TokenizeRequest, decode, encode
 from minisgl.server.cli import parse_args
+from minisgl.server.errors import ApiError
+from minisgl.server.protocol import ChatCompletionRequest
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 
 from .conftest import QWEN3_TOKENIZER
@@ -351,6 +355,31 @@ def test_tool_requests_that_cannot_be_served_are_refused(server: ServerProcess) 
     })  # fmt: skip
     assert response.status_code == 200, response.text
     assert_clean(server, before, None)
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_required_calls_keep_the_tools_definitions_where_their_references_point() -> None:
+    """As vLLM's: every tool's $defs move to the root of the array's schema (pydantic writes a
+    nested model so); two tools that define one name differently are a 400."""
+    location = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    at = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "required": ["at"],
+          "$defs": {"Loc": location}}  # fmt: skip
+    tools = [_tool("go", at), _tool("stay", {**at, "$defs": {"Loc": location}})]
+    request = ChatCompletionRequest(messages=QUESTION, tools=tools, tool_choice="required")
+    schema = json.loads(request.sampling_params({}).structured.json_schema)
+    xgrammar.Grammar.from_json_schema(json.dumps(schema))  # the references resolve
+    jsonschema.validate([{"name": "go", "parameters": {"at": {"city": "Paris"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "go", "parameters": {"at": {"town": "Paris"}}}], schema)
+    clash = _tool("stay", {**at, "$defs": {"Loc": {"type": "integer"}}})
+    request = ChatCompletionRequest(
+        messages=QUESTION, tools=[tools[0], clash], tool_choice="required"
+    )
+    with pytest.raises(ApiError, match=r"tools define \$defs/Loc differently"):
+        request.sampling_params({})
 
 
 def test_client_json_keys_cross_the_wire_unchanged() -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import StructuredOutput
+from minisgl.scheduler.grammar import unenforced_keyword
 from minisgl.tokenizer.loader import load_tokenizer
 
 from .conftest import DEVICE
@@ -211,6 +212,43 @@ def test_offline_constraint_that_does_not_compile_raises_and_leaks_nothing(
     assert not llm.scheduler.has_work
     llm.scheduler.check_integrity()
     assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
+
+
+@pytest.mark.parametrize(
+    ("schema", "found"),
+    [
+        ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "#/uniqueItems"),
+        ({"type": "number", "multipleOf": 0.5}, "#/multipleOf"),
+        ({"properties": {"a": {"not": {"type": "string"}}}}, "#/properties/a/not"),
+        ({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "a+", "maxLength": 3}]},
+         "#/anyOf/1/pattern with minLength or maxLength"),
+        ({"$defs": {"A": {"if": {"type": "integer"}}}, "$ref": "#/$defs/A"}, "#/$defs/A/if"),
+        ({"items": {"$ref": "https://example.com/a.json"}}, "#/items/$ref to another document"),
+        ({"properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, "#/dependentRequired"),
+    ],
+)  # fmt: skip
+def test_schema_keywords_xgrammar_would_not_enforce_are_refused(
+    llms: dict[bool, LLM], schema: dict, found: str
+) -> None:
+    """Refused, not compiled into a grammar that lets outputs break them."""
+    params = SamplingParams(max_tokens=5, structured=StructuredOutput(json_schema=schema))
+    with pytest.raises(ValueError, match=f"invalid structured output: {re.escape(found)}"):
+        llms[True].generate(["a"], params, use_tqdm=False)
+
+
+def test_schemas_xgrammar_enforces_compile() -> None:
+    """Keywords by those names where they are no keywords, and the forms xgrammar does hold."""
+    schemas = [
+        {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}},
+         "required": ["not"]},
+        {"type": "integer", "multipleOf": 3},
+        {"type": "string", "pattern": "^[a-z]+$"},
+        {"type": "string", "minLength": 1, "maxLength": 4},
+        {"$defs": {"A": {"type": "integer"}}, "allOf": [{"$ref": "#/$defs/A"}]},
+        {"type": "array", "items": {"type": "string"}, "uniqueItems": False},
+    ]  # fmt: skip
+    for schema in schemas:
+        assert unenforced_keyword(schema, "#") is None, schema
 
 
 def test_a_grammar_that_can_only_end_ends_before_min_tokens(stories_llm: LLM) -> None:

@@ -8,6 +8,7 @@ arrives: its tokenizer tables took 1.3 s to build for Qwen3's vocabulary on a 2-
 """
 
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,8 @@ from minisgl.core import StructuredOutput
 
 CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently used dropped first
 _OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar's log prefix on its error messages: "[21:38:14] /project/cpp/x.cc:5088: "
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,9 @@ class Grammars:
             vocab_size=self._vocab_size,
             stop_token_ids=self._eos_ids or None,  # None: the tokenizer's own
         )
-        return _Compiler(xgrammar.GrammarCompiler(info, max_threads=1), tokenizer)
+        # the grammars are cached here (CACHED_GRAMMARS), not again without bound in xgrammar
+        compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return _Compiler(compiler, tokenizer)
 
     def check(self, spec: StructuredOutput, compiled: Future[Any]) -> tuple[Any, int | None]:
         """The compiled grammar, once it is, and the id of the token it starts after (None: from
@@ -77,7 +82,8 @@ class Grammars:
         try:
             grammar = compiled.result()
         except RuntimeError as e:  # xgrammar's error for a schema, regex or grammar it refuses
-            raise ValueError(f"invalid structured output: {str(e).strip().splitlines()[-1]}") from e
+            message = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[-1])
+            raise ValueError(f"invalid structured output: {message}") from e
         if spec.after is None:
             return grammar, None
         assert self._compiler is not None, "a grammar compiled before its compiler"
@@ -137,9 +143,16 @@ class Grammars:
 
 def _compile(compiler: Future[_Compiler], spec: StructuredOutput) -> Any:
     """The grammar of one constraint. JSON allows no free whitespace (vLLM's
-    disable_any_whitespace): sampled whitespace otherwise runs to the token limit."""
+    disable_any_whitespace): sampled whitespace otherwise runs to the token limit. Raises
+    ValueError for a schema keyword xgrammar would compile without holding the output to it."""
     c = compiler.result().compiler
     if spec.json_schema is not None:
+        try:
+            schema = json.loads(spec.json_schema)
+        except ValueError:  # xgrammar names the error
+            schema = None
+        if (found := unenforced_keyword(schema, "#")) is not None:
+            raise ValueError(f"invalid structured output: {found} is not supported")
         return c.compile_json_schema(spec.json_schema, any_whitespace=False)
     if spec.json_object:  # not strict: an object may have any properties
         return c.compile_json_schema(_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
@@ -149,3 +162,50 @@ def _compile(compiler: Future[_Compiler], spec: StructuredOutput) -> Any:
         alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
         return c.compile_grammar(f"root ::= {alternatives}")
     return c.compile_grammar(spec.grammar)
+
+
+# schema keywords xgrammar 0.2.9 compiles but does not hold the output to (each checked with a
+# string that breaks it); vLLM's xgrammar backend refuses such schemas too
+_UNENFORCED = (
+    "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "dependentRequired",
+    "dependentSchemas", "dependencies",
+)  # fmt: skip
+# keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains")
+_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def unenforced_keyword(schema: Any, path: str) -> str | None:
+    """The first keyword of a JSON schema (as `path/keyword`) that xgrammar would not enforce;
+    None if there is none. The schema's nesting is bounded (MAX_SCHEMA_DEPTH)."""
+    if not isinstance(schema, dict):
+        return None
+    for keyword in _UNENFORCED:
+        if keyword in schema and schema[keyword] is not False:
+            return f"{path}/{keyword}"
+    if "multipleOf" in schema and not (
+        schema.get("type") == "integer" and isinstance(schema["multipleOf"], int)
+    ):
+        return f"{path}/multipleOf (on other than an integer's)"
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        return f"{path}/pattern with minLength or maxLength"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"{path}/$ref to another document"
+    children = [(f"{path}/{k}", schema[k]) for k in _SUBSCHEMA if k in schema]
+    children += [
+        (f"{path}/{k}/{i}", sub)
+        for k in _SUBSCHEMAS
+        if isinstance(schema.get(k), list)
+        for i, sub in enumerate(schema[k])
+    ]
+    children += [
+        (f"{path}/{k}/{name}", sub)
+        for k in _SCHEMA_MAPS
+        if isinstance(schema.get(k), dict)
+        for name, sub in schema[k].items()
+    ]
+    if isinstance(schema.get("items"), list):  # draft 7's tuple form
+        children += [(f"{path}/items/{i}", sub) for i, sub in enumerate(schema["items"])]
+    return next((found for p, sub in children if (found := unenforced_keyword(sub, p))), None)

@@ -526,16 +526,27 @@ class ChatCompletionRequest(_GenerateRequest):
             return next(t.function.schema() for t in tools if t.function.name == name)
         if mode != "required":
             return None
-        calls = [
-            {
-                "properties": {
-                    "name": {"type": "string", "enum": [t.function.name]},
-                    "parameters": t.function.schema(),
-                },
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for t in tools
-        ]
+        # each tool's definitions move to the root, where their references point
+        definitions: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
+        calls = []
+        for t in tools:
+            parameters = dict(t.function.schema())
+            for key, found in definitions.items():
+                for name, definition in (parameters.pop(key, None) or {}).items():
+                    if found.setdefault(name, definition) != definition:
+                        raise ApiError(
+                            400, f"tools define {key}/{name} differently", param="tools"
+                        )
+            calls.append(
+                {
+                    "properties": {
+                        "name": {"type": "string", "enum": [t.function.name]},
+                        "parameters": parameters,
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
         schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+        schema |= {key: found for key, found in definitions.items() if found}
         return schema if self.parallel else {**schema, "maxItems": 1}

@@ -348,14 +348,16 @@ class NamedToolParser:
         self.reply = _Reply()
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        """The call begins with the reply's first text: none comes while the model thinks."""
         if not self.reply.num_calls:
-            self.reply.new_call(self.name, text)
+            if text:
+                self.reply.new_call(self.name, text)
         else:
             self.reply.arguments(text)
         return self.reply.take()
 
     def finish(self) -> tuple[str, list[CallDelta]]:
-        if not self.reply.num_calls:
+        if not self.reply.num_calls:  # cut short before its arguments began
             self.reply.new_call(self.name, "{}")
         return self.reply.take(final=True)
 
