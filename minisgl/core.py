@@ -66,6 +66,9 @@ class StructuredOutput:
     regex: str | None = None
     choice: Sequence[str] | None = None  # one of these strings
     grammar: str | None = None  # EBNF, in xgrammar's dialect
+    # xgrammar's structural tag (JSON text): free text, and what follows a trigger held to its
+    # tag's content (a tool parser's calls: `ToolParser.structural_tag`)
+    structural_tag: str | None = None
     after: str | None = None
 
     def __post_init__(self) -> None:
@@ -79,7 +82,7 @@ class StructuredOutput:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"a structured output's json_schema is not JSON: {e}") from None
             object.__setattr__(self, "json_schema", text)
-        for name in ("json_schema", "regex", "grammar", "after"):
+        for name in ("json_schema", "regex", "grammar", "structural_tag", "after"):
             if not isinstance(getattr(self, name), (str, type(None))):
                 raise ValueError(f"a structured output's {name} must be a string")
         if not isinstance(self.json_object, bool):
@@ -93,9 +96,15 @@ class StructuredOutput:
             ):
                 raise ValueError("a structured output's choice must be a non-empty list of strings")
             object.__setattr__(self, "choice", tuple(choice))
-        given = [self.json_schema, self.json_object or None, self.regex, self.choice, self.grammar]
+        given = [
+            self.json_schema, self.json_object or None, self.regex, self.choice, self.grammar,
+            self.structural_tag,
+        ]  # fmt: skip
         if sum(g is not None for g in given) != 1:
-            raise ValueError("a structured output sets exactly one of json, regex, choice, grammar")
+            raise ValueError(
+                "a structured output sets exactly one of json, regex, choice, grammar, "
+                "structural_tag"
+            )
 
 
 class InvalidSamplingParam(ValueError):

@@ -19,6 +19,7 @@ from minisgl.messages import TokenizeRequest, decode, encode
 from minisgl.server.cli import parse_args
 from minisgl.server.errors import ApiError
 from minisgl.server.protocol import ChatCompletionRequest
+from minisgl.server.tool_parser import HermesToolParser
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 
 from .conftest import QWEN3_TOKENIZER
@@ -347,7 +348,9 @@ def test_tool_requests_that_cannot_be_served_are_refused(server: ServerProcess) 
     assert "content" in error(messages=[{"role": "assistant", "content": None}])
     assert "tokenize" in error(chat_template_kwargs={"tokenize": True})
     strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
-    assert "strict" in error(tools=[strict])
+    assert "strict" in error(tools=[strict], tool_choice="none")
+    json_mode = {"type": "json_object"}
+    assert "strict" in error(tools=[strict], response_format=json_mode)
     assert "tools" in error(tools=[{"type": "custom", "custom": {"name": "x"}}])
     # a strict tool is held to its schema when the grammar holds the reply
     response = server.post("/v1/chat/completions", json={
@@ -355,6 +358,40 @@ def test_tool_requests_that_cannot_be_served_are_refused(server: ServerProcess) 
     })  # fmt: skip
     assert response.status_code == 200, response.text
     assert_clean(server, before, None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_strict_tools_calls_are_held_to_its_parameters_under_tool_choice_auto(
+    server: ServerProcess, stream: bool
+) -> None:
+    """As vLLM's (what OpenAI's Agents SDK sends): the model is free until it writes
+    `<tool_call>` (forced here by logit_bias), then held to the call's format and the tool's
+    parameters; the reply ends after the one call parallel_tool_calls false allows."""
+    tools = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    call_token = load_tokenizer(QWEN3_TOKENIZER).convert_tokens_to_ids("<tool_call>")
+    got = _reply(server, stream, messages=QUESTION, tools=tools, tool_choice="auto",
+                 parallel_tool_calls=False, n=3, seed=5, chat_template_kwargs=NO_THINKING,
+                 logit_bias={call_token: 100})  # fmt: skip
+    for reply in got:
+        reply = _without_ids(reply)
+        assert reply["finish_reason"] == "tool_calls" and len(reply["calls"]) == 1, reply
+        _check_arguments(*reply["calls"][0])
+
+
+def test_under_auto_a_tool_that_is_not_strict_takes_any_object() -> None:
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    request = ChatCompletionRequest(messages=QUESTION, tools=[strict, ADD], tool_choice="auto")
+    assert request.strict_calls() == [
+        ("get_weather", WEATHER["function"]["parameters"]),
+        ("add", {"type": "object"}),
+    ]
+    assert ChatCompletionRequest(messages=QUESTION, tools=TOOLS).strict_calls() is None
+    tag = json.loads(HermesToolParser.structural_tag(request.strict_calls(), parallel=True))
+    grammar = xgrammar.Grammar.from_structural_tag(tag)
+    for text, ok in [(f"Sure. {CALL_TEXT}", True), ("no call", True),
+                     (CALL_TEXT.replace("Paris", "Rome"), False),
+                     ('<tool_call>\n{"name": "add", "arguments": {"x": []}}\n</tool_call>', True)]:  # fmt: skip
+        assert xgrammar.testing._is_grammar_accept_string(grammar, text) == ok, text
 
 
 def _tool(name: str, parameters: dict) -> dict:

@@ -161,7 +161,24 @@ def _compile(compiler: Future[_Compiler], spec: StructuredOutput) -> Any:
     if spec.choice is not None:
         alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
         return c.compile_grammar(f"root ::= {alternatives}")
+    if spec.structural_tag is not None:
+        tag = json.loads(spec.structural_tag)
+        for schema in _tag_schemas(tag):
+            if (found := unenforced_keyword(schema, "#")) is not None:
+                raise ValueError(f"invalid structured output: {found} is not supported")
+        return c.compile_structural_tag(tag)
     return c.compile_grammar(spec.grammar)
+
+
+def _tag_schemas(node: Any) -> list[Any]:
+    """The JSON schemas a structural tag holds text to."""
+    if isinstance(node, list):
+        return [s for item in node for s in _tag_schemas(item)]
+    if not isinstance(node, dict):
+        return []
+    if node.get("type") == "json_schema":
+        return [node.get("json_schema")]
+    return [s for value in node.values() for s in _tag_schemas(value)]
 
 
 # schema keywords xgrammar 0.2.9 compiles but does not hold the output to (each checked with a

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from minisgl.core import SamplingParams, choice_params
+from minisgl.core import SamplingParams, StructuredOutput, choice_params
 from minisgl.messages import Addresses, Ready, TokenizerAnswer, TokenizeRequest, TokenizerQuery
 from minisgl.utils import sampling_defaults
 
@@ -242,7 +242,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         body = await read_body(request, ChatCompletionRequest)
         params = body.sampling_params(defaults)
         args.limits.check(body.n, 1, params)
-        params = _held_after_thinking(args, body, params)
+        params = _held_after_thinking(args, body, _strict_calls(args, body, params))
         fmt = ChatFormat(_reply_parser(args, body, params))
         messages = [m.as_template_input() for m in body.messages]
         choices = choice_params(params, body.n)
@@ -260,6 +260,21 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         raise ApiError(404, "the Responses API is not served here; use /v1/chat/completions")
 
     return app
+
+
+def _strict_calls(
+    args: ServerArgs, body: ChatCompletionRequest, params: SamplingParams
+) -> SamplingParams:
+    """As vLLM's: with tool_choice auto, the calls of a strict tool are held to its parameters
+    where the model writes them (the tool parser's structural tag); the text around is free."""
+    tools = body.strict_calls()
+    if tools is None or args.tool_call_parser is None:  # _reply_parser names the missing parser
+        return params
+    if params.structured is not None:
+        raise ApiError(400, "strict tools with tool_choice auto cannot be combined with another "
+                       "structured output")  # fmt: skip
+    tag = TOOL_PARSERS[args.tool_call_parser].structural_tag(tools, body.parallel)
+    return replace(params, structured=StructuredOutput(structural_tag=tag))
 
 
 def _held_after_thinking(

@@ -508,10 +508,22 @@ class ChatCompletionRequest(_GenerateRequest):
         tools = self.tools or []
         if name is not None and name not in [t.function.name for t in tools]:
             raise ApiError(400, f"tool_choice names the function `{name}`, which tools lack")
-        if mode in ("none", "auto") and any(t.function.strict for t in tools):
-            raise ApiError(400, "tools' function.strict is honoured only with tool_choice "
-                           "required or a named function")  # fmt: skip
+        if mode == "none" and any(t.function.strict for t in tools):
+            raise ApiError(400, "tools' function.strict with tool_choice none: no call is made, "
+                           "so none can be held to its parameters")  # fmt: skip
         return mode, name  # type: ignore[return-value]
+
+    def strict_calls(self) -> list[tuple[str, dict[str, Any]]] | None:
+        """With tool_choice auto and a tool that is strict: each tool's name and the schema its
+        calls are held to (a strict tool's parameters, any object for the others)."""
+        mode, _ = self.tool_use()
+        tools = self.tools or []
+        if mode != "auto" or not any(t.function.strict for t in tools):
+            return None
+        return [
+            (t.function.name, t.function.schema() if t.function.strict else {"type": "object"})
+            for t in tools
+        ]
 
     @property
     def parallel(self) -> bool:
@@ -534,9 +546,7 @@ class ChatCompletionRequest(_GenerateRequest):
             for key, found in definitions.items():
                 for name, definition in (parameters.pop(key, None) or {}).items():
                     if found.setdefault(name, definition) != definition:
-                        raise ApiError(
-                            400, f"tools define {key}/{name} differently", param="tools"
-                        )
+                        raise ApiError(400, f"tools define {key}/{name} differently", param="tools")
             calls.append(
                 {
                     "properties": {

@@ -13,7 +13,6 @@ content, its tags included.
 
 import json
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -199,6 +198,25 @@ class HermesToolParser:
         self._held = ""  # text not yet decided on
         self._args = _ValueEnd()
 
+    @classmethod
+    def structural_tag(cls, tools: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
+        """xgrammar's structural tag that holds each call, as the chat template writes it, to
+        its tool's parameters (name, schema); the text outside the calls is free."""
+        tags = [
+            {
+                "type": "tag",
+                "begin": f'{cls.open}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
+                # one whitespace character at most between tokens (a structural tag has no
+                # compact JSON): sampled whitespace otherwise runs to the token limit
+                "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
+                "end": f"}}\n{cls.close}",
+            }
+            for name, schema in tools
+        ]
+        triggered = {"type": "triggered_tags", "triggers": [cls.open], "tags": tags,
+                     "stop_after_first": not parallel}  # fmt: skip
+        return json.dumps({"type": "structural_tag", "format": triggered})
+
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         """The content and the call deltas that `text`, the reply's next piece, makes final."""
         self._step(self._held + text, final=False)
@@ -365,4 +383,4 @@ class NamedToolParser:
 ToolParser = HermesToolParser | JsonArrayToolParser | NamedToolParser
 
 # --tool-call-parser name -> the parser of one reply (tool_choice auto), given parallel_tool_calls
-TOOL_PARSERS: dict[str, Callable[[bool], ToolParser]] = {"hermes": HermesToolParser}
+TOOL_PARSERS: dict[str, type[HermesToolParser]] = {"hermes": HermesToolParser}
