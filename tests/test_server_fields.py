@@ -13,7 +13,6 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.config import ConfigError
 from minisgl.messages import TextLogprobs
-from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
 from minisgl.server.responses import Choice, CompletionFormat
 from minisgl.utils import DEFAULT_MODEL_PATH, sampling_defaults
 
@@ -282,26 +281,6 @@ def test_the_models_generation_config_sets_the_sampling_defaults(
     assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
 
 
-@pytest.mark.parametrize(
-    ("chat", "given", "cap", "want"),
-    [(False, None, 5, 5), (False, None, 32, 16), (False, 9, 8, 8), (False, 3, 8, 3),
-     (True, None, 8, 8), (True, 20, 8, 8), (True, None, None, None)],
-)  # fmt: skip
-def test_max_new_tokens_caps_every_request_as_in_vllm(
-    chat: bool, given: int | None, cap: int | None, want: int | None
-) -> None:
-    """generation_config.json's max_new_tokens (`sampling_defaults`' max_tokens) bounds the
-    request's max_tokens, or the route's default: 16 for completions, the rest of the context
-    (None) for chat."""
-    defaults = {} if cap is None else {"max_tokens": cap}
-    if chat:
-        messages = [{"role": "user", "content": "x"}]
-        request = ChatCompletionRequest(model="m", messages=messages, max_tokens=given)
-    else:
-        request = CompletionRequest(model="m", prompt="x", max_tokens=given)
-    assert request.sampling_params(defaults).max_tokens == want
-
-
 def test_sampling_defaults_come_from_the_folder_the_flag_names(
     greedy_by_default: Path, tmp_path: Path
 ) -> None:
@@ -315,7 +294,7 @@ def test_sampling_defaults_come_from_the_folder_the_flag_names(
     with pytest.raises(ConfigError, match="temperature must be >= 0"):
         sampling_defaults(str(tmp_path), greedy_by_default)
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 32}))
-    assert sampling_defaults(str(tmp_path), DEFAULT_MODEL_PATH) == {"max_tokens": 32}
+    assert sampling_defaults(str(tmp_path), greedy_by_default) == {}  # not taken (README)
 
 
 def test_the_offline_llm_takes_the_models_sampling_defaults(greedy_by_default: Path) -> None:

@@ -293,12 +293,15 @@ def provenance() -> dict[str, Any]:
     repo = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
-        run = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        try:
+            run = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        except OSError:  # no git on this machine
+            return ""
         return run.stdout.strip() if run.returncode == 0 else ""
 
     commit = git("rev-parse", "HEAD") or None
     return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit,
         "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no"))
         if commit

@@ -1,6 +1,6 @@
 """How a request is written for an OpenAI-compatible server: `/v1/completions` with token ids or
 text, or `/v1/chat/completions`; always streamed, with the usage chunk asked for, EOS ignored,
-nucleus and top-k sampling off.
+nucleus, top-k and min-p sampling and the repetition penalty off.
 
 Text is the prompt ids decoded with the model's tokenizer, so the server tokenizes it again (to
 about as many tokens: the usage chunk says how many). A chat sends a request's shared prefix as
@@ -39,6 +39,8 @@ def request_body(
         # them): the same sampling on every server and in the offline run
         "top_p": 1.0,
         "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
         "ignore_eos": True,  # not OpenAI's; vLLM, SGLang and minisgl take it
         "stream": True,
         "stream_options": {"include_usage": True},

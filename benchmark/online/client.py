@@ -15,10 +15,11 @@ import asyncio
 import json
 import multiprocessing
 import queue
+import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
@@ -107,14 +108,14 @@ async def stream_request(
                             result.itl.append(now - last)
                         last = now
                     usage = event.get("usage") or usage  # some servers put it in every chunk
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except Exception as e:  # any server's answer: a failed request, never a stopped run
         result.error = f"{type(e).__name__}: {e}"
     if result.error is None and result.ttft is None:
         result.error = "no streamed event with a choice"
     result.ok = result.error is None
     # a completed request ends at its last event, a failed one when it failed
     result.latency = (last if result.ok else time.monotonic()) - result.start
-    if usage is not None:
+    if usage is not None and isinstance(usage.get("completion_tokens"), int):
         result.output_tokens, result.tokens_from_usage = usage["completion_tokens"], True
         result.prompt_tokens = usage.get("prompt_tokens")
         result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
@@ -135,30 +136,51 @@ async def send_together(
         return list(await asyncio.gather(*sends))
 
 
-@asynccontextmanager
-async def _slot(slots: Semaphore | None) -> AsyncIterator[None]:
-    """One of the processes' shared concurrency slots, held while the block runs."""
-    if slots is None:
-        yield
-        return
-    await asyncio.get_running_loop().run_in_executor(None, slots.acquire)
-    try:
-        yield
-    finally:
-        slots.release()
+class _Slots:
+    """The processes' shared concurrency slots, handed to this process's requests in the order
+    they ask by a thread of its own that waits for each: the event loop never blocks, and the
+    loop's executor, which httpx needs to look host names up, never waits behind a slot."""
+
+    def __init__(self, slots: Semaphore, loop: asyncio.AbstractEventLoop) -> None:
+        self._slots, self._loop = slots, loop
+        self._asking: queue.SimpleQueue[asyncio.Future[None]] = queue.SimpleQueue()
+        threading.Thread(target=self._hand_out, daemon=True).start()
+
+    def _hand_out(self) -> None:
+        while True:
+            asker = self._asking.get()
+            self._slots.acquire()
+            self._loop.call_soon_threadsafe(self._give, asker)
+
+    def _give(self, asker: asyncio.Future[None]) -> None:
+        if asker.cancelled():  # its request was cancelled while it waited
+            self._slots.release()
+        else:
+            asker.set_result(None)
+
+    @asynccontextmanager
+    async def held(self) -> AsyncIterator[None]:
+        asker = self._loop.create_future()
+        self._asking.put(asker)
+        await asker
+        try:
+            yield
+        finally:
+            self._slots.release()
 
 
 async def _run_job(
     job: ClientJob, slots: Semaphore | None, to_parent: Queue, go: Event, start_at: Synchronized
 ) -> ClientReport:
     async with new_client() as client:
+        held = nullcontext if slots is None else _Slots(slots, asyncio.get_running_loop()).held
         to_parent.put(("ready", None))
         go.wait()  # nothing runs on the loop yet: blocking it here holds nothing up
         start, cpu_start = start_at.value, time.process_time()
 
         async def one(index: int, arrival_s: float, body: dict[str, Any]) -> RequestResult:
             await asyncio.sleep(max(0.0, start + arrival_s - time.monotonic()))
-            async with _slot(slots):
+            async with held():
                 result = await stream_request(client, job.url, job.headers, body, index)
             to_parent.put(("done", None))
             return result

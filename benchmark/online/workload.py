@@ -109,5 +109,7 @@ def arrivals(num_requests: int, rate: float, burstiness: float, seed: int) -> li
         for _ in range(num_requests)
     ]
     times = list(itertools.accumulate(gaps))
+    if not times or times[-1] == 0:  # no request, or gaps that all rounded to 0
+        return times
     scale = num_requests / rate / times[-1]
     return [t * scale for t in times]

@@ -105,9 +105,8 @@ _HELP = {
     "structured output (response_format, a required or named tool_choice, ...) from its first "
     "token, thinking included (default: from the end of the thinking, as vLLM)",
     "generation_config": "the sampling defaults (temperature, top_p, top_k, min_p, "
-    "repetition_penalty) of requests that leave them out, and the cap on max_tokens "
-    "(max_new_tokens), as in vLLM: auto, the model's generation_config.json; vllm, none; or a "
-    "folder holding a generation_config.json",
+    "repetition_penalty) of requests that leave them out, as in vLLM: auto, the model's "
+    "generation_config.json; vllm, none; or a folder holding a generation_config.json",
     "shell": "chat with the model in this terminal: /reset clears the history, /exit quits",
 }
 

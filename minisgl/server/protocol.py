@@ -242,12 +242,7 @@ class _GenerateRequest(_Body):
         """Raises ApiError(400) for values SamplingParams rejects. A field the request leaves out
         takes its value from `defaults` (the model's, `sampling_defaults`), else SamplingParams'
         default; max_tokens None: SamplingParams' default, or the rest of the context where
-        rest_of_context; the defaults' max_tokens caps it, as vLLM's."""
-        if (cap := defaults.get("max_tokens")) is not None:
-            wanted = max_tokens
-            if wanted is None and not rest_of_context:
-                wanted = SamplingParams.max_tokens
-            max_tokens = cap if wanted is None else min(wanted, cap)
+        rest_of_context."""
         bias = None
         if self.logit_bias is not None:
             # int() would also take " 5", "+5", "5_0" and other scripts' digits

@@ -51,19 +51,16 @@ def _tokenizer_eos(path: Path) -> int | None:
 
 
 # generation_config.json's fields that vLLM takes as the defaults of a request's sampling
-# parameters, by the name SamplingParams gives them
-_SAMPLING_DEFAULTS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
-}  # fmt: skip
+# parameters (not its max_new_tokens: a default max_tokens here would be held to the context as
+# one the client gave, a 400 where the prompt leaves less room)
+_SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def sampling_defaults(generation_config: str, model_path: Path) -> dict[str, Any]:
-    """The sampling parameters of a request that leaves them out (max_tokens, from max_new_tokens:
-    the most a request may ask for, on the server), as vLLM's --generation-config says: "auto",
-    the model's generation_config.json's; "vllm", none (SamplingParams' own); else those of the
-    generation_config.json in the folder it names. Raises ConfigError for a file that cannot be
-    read or values SamplingParams refuses."""
+    """The sampling parameters of a request that leaves them out, as vLLM's --generation-config
+    says: "auto", the model's generation_config.json's; "vllm", none (SamplingParams' own); else
+    those of the generation_config.json in the folder it names. Raises ConfigError for a file
+    that cannot be read or values SamplingParams refuses."""
     if generation_config == "vllm":
         return {}
     folder = model_path if generation_config == "auto" else Path(generation_config).expanduser()
@@ -74,11 +71,7 @@ def sampling_defaults(generation_config: str, model_path: Path) -> dict[str, Any
         raise ConfigError(f"--generation-config {generation_config}: no generation_config.json")
     try:
         data = json.loads(file.read_text())
-        defaults = {
-            field: data[name]
-            for name, field in _SAMPLING_DEFAULTS.items()
-            if data.get(name) is not None
-        }
+        defaults = {name: data[name] for name in _SAMPLING_DEFAULTS if data.get(name) is not None}
         SamplingParams(**defaults)
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"{file} cannot be read as sampling defaults: {e}") from None
