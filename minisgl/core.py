@@ -143,6 +143,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
     n: int = 1  # offline: outputs per prompt (the server's n is the request's)
+    # vLLM's: the logprob of each prompt token after the first, and this many likeliest
+    # tokens' (the prompt is computed whole, its cached prefix not reused)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, requirement: str) -> None:
@@ -198,6 +201,12 @@ class SamplingParams:
             "must be a StructuredOutput",
         )
         check(_is_int(self.n) and self.n >= 1, "n", "must be >= 1")
+        check(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+            "prompt_logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}]",
+        )
         bias = self.logit_bias or ()
         check(
             isinstance(bias, (Mapping, list, tuple)), "logit_bias", "must map token ids to biases"
@@ -265,7 +274,7 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 _NUMBERS = (
     "temperature", "top_k", "top_p", "min_p", "max_tokens", "seed", "logprobs", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "min_tokens", "n",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "n", "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -424,6 +433,10 @@ class BatchInputs(Generic[Column]):
     page_write_values: Column
     token_write_entries: Column
     token_write_values: Column
+    # prompt logprobs (a prefill's only): the rows whose logits give one, and the prompt token
+    # each row's logits are asked about (the next one)
+    prompt_rows: Column
+    prompt_targets: Column
 
 
 @dataclass(frozen=True)
@@ -455,6 +468,8 @@ class Batch:
     inputs: BatchInputs[np.ndarray]
     processed_rows: list[int] = field(default_factory=list)  # rows that sample, processes_logits
     token_masks: TokenMasks | None = None
+    # (request row, first prompt position, count): its part of inputs.prompt_rows, in order
+    prompt_spans: list[tuple[int, int, int]] = field(default_factory=list)
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -27,7 +27,14 @@ from minisgl.config import (
 )
 from minisgl.core import SamplingParams, choice_params
 from minisgl.engine.preflight import check_engine_config
-from minisgl.messages import AbortRequest, AddRequests, Finished, FlushPrefixCache, StepOutputs
+from minisgl.messages import (
+    AbortRequest,
+    AddRequests,
+    Finished,
+    FlushPrefixCache,
+    StepOutputs,
+    TokenLogprobs,
+)
 from minisgl.scheduler.lockstep import Message
 from minisgl.scheduler.worker import SchedulerWorker, start_worker
 from minisgl.server.protocol import template_messages
@@ -226,6 +233,8 @@ class LLM:
             if run is None:
                 continue
             logprobs = None if out.logprobs is None else out.logprobs[i]
+            if out.prompt_logprobs is not None and out.prompt_logprobs[i] is not None:
+                run.add_prompt_logprobs(out.prompt_logprobs[i])
             if run.add(token, logprobs, ended.get(rid), now):
                 stopped.append(rid)
         for finish in out.finished:
@@ -242,6 +251,7 @@ class _Run:
         self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams, arrival: float
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+        self.prompt_ids = prompt_ids
         self.incremental = bool(params.stop)
         metrics = {"arrival_time": arrival, "first_token_time": None, "finished_time": None}
         self.result: dict[str, Any] = {
@@ -249,6 +259,16 @@ class _Run:
         }  # fmt: skip
         if params.logprobs is not None:
             self.result["logprobs"] = []
+        if params.prompt_logprobs is not None:
+            self.result["prompt_logprobs"] = None
+
+    def add_prompt_logprobs(self, logprobs: list[TokenLogprobs]) -> None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then each one's."""
+        tokens = self.prompt_ids[1:]
+        self.result["prompt_logprobs"] = [
+            None,
+            *(_logprob_entry(t, lp) for t, lp in zip(tokens, logprobs, strict=True)),
+        ]
 
     def add(self, token: int, logprobs: Any, finish: Finished | None, now: float) -> bool:
         """Add a sampled token; True when a stop string ended the text: the request must stop."""
@@ -258,16 +278,7 @@ class _Run:
         if self.result["metrics"]["first_token_time"] is None:
             self.result["metrics"]["first_token_time"] = now
         if logprobs is not None:
-            self.result["logprobs"].append(
-                {
-                    "token_id": token,
-                    "logprob": logprobs.logprob,
-                    "top_logprobs": [
-                        {"token_id": t, "logprob": lp}
-                        for t, lp in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
-                    ],
-                }
-            )
+            self.result["logprobs"].append(_logprob_entry(token, logprobs))
         return self.incremental and self.detok.step([token], finish)[1]
 
     def finish(self, finish: Finished, now: float) -> None:
@@ -281,6 +292,17 @@ class _Run:
             prompt_tokens=end.prompt_tokens,
             cached_tokens=end.cached_tokens,
         )
+
+
+def _logprob_entry(token: int, logprobs: TokenLogprobs) -> dict[str, Any]:
+    return {
+        "token_id": token,
+        "logprob": logprobs.logprob,
+        "top_logprobs": [
+            {"token_id": t, "logprob": lp}
+            for t, lp in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)
+        ],
+    }
 
 
 def _stop_followers(worker: SchedulerWorker | None, followers: list[BaseProcess]) -> None:

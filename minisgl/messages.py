@@ -179,6 +179,9 @@ class StepOutputs:
     rids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None  # a row per rid, when some asked
+    # a row per rid, when some asked: with a request's first token, its prompt's (entry p: of
+    # prompt token p + 1, TokenLogprobs' "sampled" token)
+    prompt_logprobs: list[list[TokenLogprobs | None] | None] | None = None
     finished: list[Finished] = field(default_factory=list)
     errors: list[ReqError] = field(default_factory=list)
     load: SchedulerLoad | None = None
@@ -189,7 +192,7 @@ class StepOutputs:
 @dataclass
 class TextLogprobs:
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
     top: list[tuple[str, float]]
 
 
@@ -204,6 +207,8 @@ class TextOutputs:
     texts: list[str] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     logprobs: list[TextLogprobs | None] | None = None  # a row per rid, when some asked
+    # a row per rid, when some asked: with a request's first text, each prompt token's
+    prompt_logprobs: list[list[TextLogprobs] | None] | None = None
     finished: list[Finished] = field(default_factory=list)
     errors: list[ReqError] = field(default_factory=list)
     load: SchedulerLoad | None = None

@@ -244,7 +244,7 @@ BAD_BODIES = {
     "token id outside the vocabulary": {"prompt": [1, 100000]},
     "over-long prompt": {"prompt": "the cat sat " * 1000},
     "over-long prompt, streamed": {"prompt": "the cat sat " * 1000, "stream": True},
-    "unsupported: echo with logprobs": {"echo": True, "logprobs": 1},
+    "bad value: echo with logprobs": {"echo": True, "logprobs": 21},
     "bad value: penalty": {"presence_penalty": 2.5},
     "bad value: repetition_penalty": {"repetition_penalty": 0},
     "bad value: min_tokens above max_tokens": {"min_tokens": 20, "max_tokens": 10},

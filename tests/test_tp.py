@@ -47,6 +47,21 @@ def test_tp2_greedy_tokens_equal_tp1(engines: tuple[LLM, LLM]) -> None:
     assert [a["token_ids"] for a in again] == [g["token_ids"] for g in got]
 
 
+def test_tp2_prompt_logprobs_equal_tp1s(engines: tuple[LLM, LLM]) -> None:
+    """Every rank computes the prompt's logits (a whole vocabulary's, gathered): rank 0's are
+    the answer."""
+    tp1, tp2 = engines
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    want, got = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in (tp1, tp2))
+    for g, w in zip(got, want, strict=True):
+        assert g["prompt_logprobs"][0] is None and len(g["prompt_logprobs"]) == len(
+            w["prompt_logprobs"]
+        )
+        for a, b in zip(g["prompt_logprobs"][1:], w["prompt_logprobs"][1:], strict=True):
+            assert a["token_id"] == b["token_id"]
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+
+
 def test_a_stop_string_ends_the_request_on_every_rank(engines: tuple[LLM, LLM]) -> None:
     """The stop string ends the request in rank 0's detokenizer; the abort reaches rank 1 in the
     next step, and the ranks go on in step: the next requests still get TP 1's tokens."""

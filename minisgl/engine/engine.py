@@ -40,7 +40,7 @@ from minisgl.utils.torch_utils import (
 
 from .context import ForwardBatch, forward_context, load_inputs
 from .graph import GraphRunner
-from .sampler import SampleOutput, Sampler
+from .sampler import SampleOutput, Sampler, token_logprobs
 
 logger = init_logger(__name__)
 
@@ -231,14 +231,22 @@ class Engine:
             inputs = upload(batch.inputs, self.device, self._staging)
             metadata = self.attn_backend.prepare(batch)
             logits, step_tokens = self._step(batch.is_decode, inputs, metadata, sampling)
-        out = self.sampler.sample(logits, step_tokens, args)
+        num_reqs = len(batch.reqs)
+        out = self.sampler.sample(logits[:num_reqs], step_tokens, args)
+        if batch.prompt_spans:
+            num_top = max(
+                batch.reqs[i].params.prompt_logprobs or 0 for i, _, _ in batch.prompt_spans
+            )
+            out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs = token_logprobs(
+                logits[num_reqs:], inputs.prompt_targets, num_top
+            )
         tp = self.config.tp_size > 1
         if tp:  # every rank takes rank 0's: seeds or logits that differ in a bit must not fork them
             broadcast(out.tokens)
         if args.after_step or tp:  # these tokens replace the ones the step wrote
             self.token_table.view(-1).scatter_(0, inputs.sample_entries, out.tokens)
         copies = None
-        if args.after_step or tp or args.num_logprobs >= 0:
+        if args.after_step or tp or args.num_logprobs >= 0 or batch.prompt_spans:
             copies = SampleOutput(*(None if t is None else _to_host(t) for t in vars(out).values()))
         done = None
         if self.device.type == "cuda":
@@ -269,15 +277,17 @@ def _forward_step(
     attn_metadata: object,
     sampling: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and each row's token, already written into the token table: the part of a step
-    that a CUDA graph captures. sampling: (temperatures, uniforms), a temperature of 0
+    """Logits (each request's row, then a prefill's prompt-logprob rows) and each request's
+    token, already written into the token table: the part of a step that a CUDA graph captures. sampling: (temperatures, uniforms), a temperature of 0
     marking a greedy row; None: every row greedy."""
     input_ids, out_loc = load_inputs(inputs, page_table, token_table)
     with forward_context(ForwardBatch(is_decode, inputs, out_loc, attn_backend, attn_metadata)):
         logits = model.forward(input_ids)
     temperatures, uniforms = sampling if sampling is not None else (None, None)
+    # a request's row each, then a prefill's prompt-logprob rows
+    rows = logits[: inputs.sample_entries.shape[0]]
     tokens = sample_tokens(
-        logits, token_table, inputs.sample_entries, sample_counters, temperatures, uniforms,
+        rows, token_table, inputs.sample_entries, sample_counters, temperatures, uniforms,
         host_token_table,
     )  # fmt: skip
     return logits, tokens

@@ -28,12 +28,16 @@ StepFn = Callable[[bool, BatchInputs[torch.Tensor], object, Sampling], tuple[tor
 # The rows of a captured size's static input block: a decode batch's inputs with one entry per
 # request, and a page's entries per request for its page-table writes (a decode adds at most
 # one page per request). cu_seqlens_q and last_indices of a decode are ranges, and a batch a
-# graph runs writes no token ids.
+# graph runs writes no token ids and asks for no prompt logprobs.
 _ROWS = tuple(
     f.name
     for f in fields(BatchInputs)
-    if f.name not in ("cu_seqlens_q", "last_indices", "token_write_entries", "token_write_values")
-)
+    if f.name
+    not in (
+        "cu_seqlens_q", "last_indices", "token_write_entries", "token_write_values",
+        "prompt_rows", "prompt_targets",
+    )
+)  # fmt: skip
 _PAGE_WRITES = ("page_write_entries", "page_write_values")
 _ALIGN = ALIGN_BYTES // 4  # int32 entries: each row starts aligned, as pack_to_device's columns
 
@@ -116,6 +120,8 @@ class GraphRunner:
             last_indices=self._rows[:rows],
             token_write_entries=no_writes,
             token_write_values=no_writes,
+            prompt_rows=no_writes,
+            prompt_targets=no_writes,
             **views,
         )
 

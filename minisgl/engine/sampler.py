@@ -90,6 +90,20 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [bs] float32: log p(sampled token)
     top_ids: torch.Tensor | None = None  # [bs, n] int32
     top_logprobs: torch.Tensor | None = None  # [bs, n] float32
+    # a prefill's prompt logprobs, a row per Batch.inputs.prompt_rows: log p(next prompt token)
+    prompt_logprobs: torch.Tensor | None = None  # [rows] float32
+    prompt_top_ids: torch.Tensor | None = None  # [rows, n] int32
+    prompt_top_logprobs: torch.Tensor | None = None  # [rows, n] float32
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p(tokens[i]) under row i's logits, the ids and logprobs of its num_top likeliest)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = logprobs.topk(num_top, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None].long())[:, 0]
+    return chosen, top.indices.to(torch.int32), top.values
 
 
 class Sampler:
@@ -166,10 +180,9 @@ class Sampler:
                 tokens = torch.where(args.greedy, step_tokens, tokens)
         out = SampleOutput(tokens)
         if args.num_logprobs >= 0:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            out.logprobs = logprobs.gather(1, tokens[:, None].long())[:, 0]
-            top = logprobs.topk(args.num_logprobs, dim=-1)
-            out.top_ids, out.top_logprobs = top.indices.to(torch.int32), top.values
+            out.logprobs, out.top_ids, out.top_logprobs = token_logprobs(
+                logits, tokens, args.num_logprobs
+            )
         return out
 
     def _sample_after_step(self, logits: torch.Tensor, args: SamplingArgs) -> torch.Tensor:

@@ -59,9 +59,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         for a tiny decode batch on a GPU."""
         batch = current_forward()
         if not batch.is_decode:
-            # x may be partial sums [splits, rows, N] (LinearRowParallel)
-            last = batch.inputs.last_indices
-            x, residual = x[..., last, :], residual[last]
+            # x may be partial sums [splits, rows, N] (LinearRowParallel); a prefill's rows for
+            # prompt logprobs come after each request's last one
+            rows = batch.inputs.last_indices
+            if batch.inputs.prompt_rows.shape[0]:
+                rows = torch.cat([rows, batch.inputs.prompt_rows])
+            x, residual = x[..., rows, :], residual[rows]
         return self.logits(x, residual, norm)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

@@ -1,4 +1,5 @@
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -19,6 +20,7 @@ def build_batch(
     token_writes: TableWrites = NO_WRITES,
     processed_rows: list[int] | None = None,
     token_masks: TokenMasks | None = None,
+    prompt_logprob_rows: Sequence[int] = (),
 ) -> Batch:
     """The batch computing tokens [prefix, prefix + extend) of each request (in its `slot` row),
     with the writes into the page table (pool locations, from KVCacheManager.take_page_writes)
@@ -26,7 +28,9 @@ def build_batch(
     batch reads either table. Its inputs are on the host: the engine uploads them.
 
     A sampled token goes right after its request's computed ones; a request outside
-    `sample_rows` (default: all) writes its token into the token table's last row, a sink."""
+    `sample_rows` (default: all) writes its token into the token table's last row, a sink. The
+    requests of `prompt_logprob_rows` have the logits of their prompt tokens computed (each but
+    the prompt's last: its logits give the first sampled token)."""
     slots = np.array([req.slot for req in reqs], dtype=np.int64)
     seq_lens = np.add(prefix_lens, extend_lens)
     cu_seqlens = np.fromiter(itertools.accumulate(extend_lens, initial=0), np.int64)
@@ -41,6 +45,14 @@ def build_batch(
     sample_slots[keep] = slots[keep]
     # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
     # gathers and scatters take as is (a 2-D int32 index would cost two conversion kernels each)
+    spans = []
+    for i in prompt_logprob_rows:
+        start = prefix_lens[i]
+        end = min(start + extend_lens[i], reqs[i].num_prompt_tokens - 1)
+        if end > start:
+            spans.append((i, start, end - start))
+    prompt_rows = [int(cu_seqlens[i]) + np.arange(n) for i, _, n in spans]
+    prompt_targets = [reqs[i].token_ids[start + 1 : start + n + 1] for i, start, n in spans]
     inputs = BatchInputs(
         positions=positions,
         token_entries=token_slots * layout.token_table_width + positions,
@@ -55,7 +67,10 @@ def build_batch(
         page_write_values=page_writes[1],
         token_write_entries=token_writes[0],
         token_write_values=token_writes[1],
+        prompt_rows=np.concatenate(prompt_rows or [np.empty(0, np.int64)]),
+        prompt_targets=np.fromiter(itertools.chain(*prompt_targets), np.int64),
     )
     return Batch(
-        reqs, prefix_lens, extend_lens, keep, is_decode, inputs, processed_rows or [], token_masks
-    )
+        reqs, prefix_lens, extend_lens, keep, is_decode, inputs, processed_rows or [],
+        token_masks, spans,
+    )  # fmt: skip

@@ -37,6 +37,9 @@ from .grammar import Grammars
 from .token_table import TokenTable
 
 logger = init_logger(__name__)
+# a prompt's tokens per step while its logprobs are computed: each needs a row of logits, 512 rows
+# of Qwen3's 151,936 ids are 311 MB in fp32
+PROMPT_LOGPROBS_CHUNK = 512
 
 
 @dataclass
@@ -81,6 +84,9 @@ class Scheduler:
         self._wait_for_grammars = wait_for_grammars
         self._errors: list[ReqError] = []  # requests whose grammar failed, for the next outputs
         self._processing_logits: set[int] = set()  # requests whose params process the logits
+        # requests whose prompt logprobs are still to send: one entry per prompt position after
+        # the first, filled as each chunk's step is processed
+        self._prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}
 
     # ------------------------------------------------------------------ requests in and out
     def add_requests(self, requests: Sequence[tuple[int, list[int], SamplingParams]]) -> None:
@@ -103,6 +109,8 @@ class Scheduler:
             self._reqs[rid] = req
             if params.processes_logits:
                 self._processing_logits.add(rid)
+            if params.prompt_logprobs is not None:
+                self._prompt_logprobs[rid] = [None] * (req.num_prompt_tokens - 1)
             if params.structured is None:
                 self.waiting.append(req)
             else:
@@ -192,6 +200,10 @@ class Scheduler:
         out = StepOutputs()
         if host.logprobs is not None:
             out.logprobs = []
+        if step.batch.prompt_spans:
+            self._take_prompt_logprobs(step.batch, host)
+        if self._prompt_logprobs:  # a request's first token may come in a step without them
+            out.prompt_logprobs = []
         for i in step.batch.sample_rows:
             req = step.batch.reqs[i]
             if req.finished:  # aborted, or finished by the previous step while this one ran
@@ -201,6 +213,8 @@ class Scheduler:
             out.token_ids.append(tokens[i])
             if out.logprobs is not None:
                 out.logprobs.append(_logprobs(host, i, req.params.logprobs))
+            if out.prompt_logprobs is not None:  # its prompt's, with its first token
+                out.prompt_logprobs.append(self._prompt_logprobs.pop(req.rid, None))
             finish = self._token_finish(req)
             if (
                 self.grammars.active
@@ -211,6 +225,25 @@ class Scheduler:
             if finish is not None:
                 out.finished.append(self._finish(req, *finish))
         return out
+
+    def _take_prompt_logprobs(self, batch: Batch, host: SampleOutput) -> None:
+        """Note the prompt logprobs a prefill step computed, by position (a chunk computed again
+        after a preemption gives the same ones)."""
+        assert host.prompt_logprobs is not None and host.prompt_top_ids is not None
+        assert host.prompt_top_logprobs is not None
+        chosen = host.prompt_logprobs.tolist()
+        top_ids, top_logprobs = host.prompt_top_ids.tolist(), host.prompt_top_logprobs.tolist()
+        row = 0
+        for i, start, count in batch.prompt_spans:
+            req = batch.reqs[i]
+            noted = self._prompt_logprobs.get(req.rid)
+            if noted is not None and not req.finished:
+                wanted = req.params.prompt_logprobs
+                for k in range(row, row + count):
+                    noted[start + k - row] = TokenLogprobs(
+                        chosen[k], top_ids[k][:wanted], top_logprobs[k][:wanted]
+                    )
+            row += count
 
     def _token_finish(self, req: Req) -> tuple[FinishReason, int | None] | None:
         """(reason, the stop token) if the token just appended ends `req`: an eos or stop token,
@@ -281,6 +314,8 @@ class Scheduler:
 
     def _reserve_chunk(self, req: Req, budget: int) -> int:
         """Reserve pages for the next chunk of req's prompt; returns its length (0: no pages)."""
+        if req.rid in self._prompt_logprobs:
+            budget = min(budget, PROMPT_LOGPROBS_CHUNK)
         extend = min(
             req.device_len - req.cached_len, budget, self.kv.capacity(req.slot) - req.cached_len
         )
@@ -297,8 +332,10 @@ class Scheduler:
             if self.tokens.num_free_slots == 0:
                 return 0
             req.slot = self.tokens.alloc_slot()
-        # the last token is always computed: its logits give the next token
-        req.cached_len = self.kv.admit(req.slot, req.token_ids[: req.device_len - 1])
+        # the last token is always computed: its logits give the next token; a prompt whose
+        # logprobs are asked for is computed whole (a cached prefix has no logits)
+        computed = [] if req.rid in self._prompt_logprobs else req.token_ids[: req.device_len - 1]
+        req.cached_len = self.kv.admit(req.slot, computed)
         extend = self._reserve_chunk(req, budget)
         if extend == 0:
             self.kv.release(req.slot, req.token_ids[: req.cached_len])
@@ -329,6 +366,7 @@ class Scheduler:
         del self._reqs[req.rid]
         self._compiling.pop(req.rid, None)
         self._processing_logits.discard(req.rid)
+        self._prompt_logprobs.pop(req.rid, None)
         self.grammars.drop(req.rid)
 
     def _finish(self, req: Req, reason: FinishReason, matched: int | None) -> Finished:
@@ -370,10 +408,15 @@ class Scheduler:
             if self._processing_logits
             else []
         )
+        prompt_rows = (
+            [i for i, req in enumerate(reqs) if req.rid in self._prompt_logprobs]
+            if self._prompt_logprobs
+            else []
+        )
         return build_batch(
             reqs, prefix_lens, extend_lens, self.layout, sample_rows,
             self.kv.take_page_writes(), self.tokens.take_writes(), processed,
-            self._token_masks(reqs, processed),
+            self._token_masks(reqs, processed), prompt_rows,
         )  # fmt: skip
 
     def _token_masks(self, reqs: list[Req], processed: list[int]) -> TokenMasks | None:

@@ -36,10 +36,11 @@ from .metrics import Metrics
 
 @dataclass
 class Delta:
-    """New text of one choice."""
+    """New text of one choice (with its first, its prompt's logprobs where they were asked)."""
 
     text: str
     logprobs: TextLogprobs | None
+    prompt_logprobs: list[TextLogprobs] | None = None
 
 
 @dataclass
@@ -212,7 +213,8 @@ class EngineClient:
                 self._num_queued -= first
                 route.last_token = now
             logprobs = None if msg.logprobs is None else msg.logprobs[i]
-            self._deliver(route, Delta(text, logprobs))
+            prompt = None if msg.prompt_logprobs is None else msg.prompt_logprobs[i]
+            self._deliver(route, Delta(text, logprobs, prompt))
         for finish in msg.finished:
             route = self._routes.get(finish.rid)  # None: ended here already (interrupted)
             self.metrics.request_finished(finish, None if route is None else now - route.submitted)

@@ -40,18 +40,17 @@ async def generate(
 ) -> Response:
     """Run `tokenize`'s requests (its choices consecutive per prompt) and answer with one response.
     Its first items come before anything is answered: a request the engine refused (they are
-    admitted all or none) still gets its 400. echo: a text each choice's starts with. The reply's
+    admitted all or none) still gets its 400. echo: a text each choice's starts with (sent with
+    its first token, and its prompt's logprobs where they were asked). The reply's
     id is the client's X-Request-Id where it sends one, as vLLM's, and the header comes back."""
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
     group = client.submit(tokenize)
     reply_id = f"{fmt.id_prefix}-{request_id}"
-    run = _Run(client, group, fmt, model, reply_id, tokenize.params, want_logprobs, timeout)
+    run = _Run(client, group, fmt, model, reply_id, tokenize.params, want_logprobs, timeout, echo)
     streaming = False
     try:
         first = await _until_disconnected(request, run.next_items())
-        if echo is not None:
-            first = [(i, Delta(text, None)) for i, text in enumerate(echo)] + first
         if stream:
             streaming = True  # the stream aborts what is left of the group when it ends
             return StreamingResponse(
@@ -103,8 +102,10 @@ class _Run:
         params: list[SamplingParams],
         want_logprobs: bool,
         timeout: float | None,
+        echo: list[str] | None,
     ) -> None:
         self.client, self.group, self.fmt = client, group, fmt
+        self._echo = dict(enumerate(echo or []))  # choice -> the text it starts with, until it does
         self.model, self.n, self.want_logprobs = model, len(params), want_logprobs
         self.id = reply_id
         self.created = int(time.time())
@@ -137,9 +138,15 @@ class _Run:
         pieces: dict[int, Choice] = {}
         for index, item in batch:
             piece = pieces.setdefault(index, Choice())
+            if index in self._echo:  # its prompt, and the prompt's logprobs, come first
+                prompt = item.prompt_logprobs if isinstance(item, Delta) else None
+                for choice in (self.choices[index], piece):
+                    choice.add(self._echo[index], prompt or [])
+                del self._echo[index]
             if isinstance(item, Delta):
-                self.choices[index].add(item.text, item.logprobs)
-                piece.add(item.text, item.logprobs)
+                logprobs = [] if item.logprobs is None else [item.logprobs]
+                self.choices[index].add(item.text, logprobs)
+                piece.add(item.text, logprobs)
             else:
                 assert isinstance(item, Finished)
                 self.choices[index].end = piece.end = item

@@ -284,9 +284,12 @@ class CompletionRequest(_GenerateRequest):
         return list(self.prompt)  # type: ignore[arg-type]
 
     def sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """With echo, logprobs are the prompt's too (OpenAI's; lm-evaluation-harness scores
+        with them)."""
+        params = self._params(self.max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported (it needs prompt logprobs)")
-        return self._params(self.max_tokens, self.logprobs, defaults)
+            params = replace(params, prompt_logprobs=params.logprobs)
+        return params
 
 
 class TextPart(_Strict):

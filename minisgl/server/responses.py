@@ -30,11 +30,10 @@ class Choice:
     # lags behind while a possible stop string is held back)
     logprobs_chars: int = 0
 
-    def add(self, text: str, logprobs: TextLogprobs | None) -> None:
+    def add(self, text: str, logprobs: list[TextLogprobs]) -> None:
         self.text += text
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
-            self.logprobs_chars += len(logprobs.token)
+        self.logprobs += logprobs
+        self.logprobs_chars += sum(len(t.token) for t in logprobs)
 
     @property
     def finish_reason(self) -> str | None:
@@ -92,11 +91,15 @@ class ReplyFormat(ABC):
         }
 
 
-def _top_by_text(sampled: tuple[str, float], top: list[tuple[str, float]]) -> dict[str, float]:
+def _top_by_text(
+    sampled: tuple[str, float | None], top: list[tuple[str, float]]
+) -> dict[str, float] | None:
     """A completion's top_logprobs: the likeliest tokens and the sampled one (so up to
     logprobs + 1 of them, as OpenAI's legacy completions give), keyed by token text; of tokens
     that render alike (the pieces of a multi-byte character are each U+FFFD) the likeliest is
-    kept."""
+    kept. None for an echoed prompt's first token, which nothing predicts."""
+    if sampled[1] is None:
+        return None
     by_text: dict[str, float] = {}
     for token, logprob in sorted([*top, sampled], key=lambda entry: -entry[1]):
         by_text.setdefault(token, logprob)

@@ -109,6 +109,7 @@ class Detokenize:
     def __init__(self, tokenizer: Tokenizer, new: queue.SimpleQueue[NewRequest]) -> None:
         self.tokenizer = tokenizer
         self.detoks: dict[int, IncrementalDetokenizer] = {}
+        self._prompts: dict[int, list[int]] = {}  # of the requests whose prompt logprobs come
         self._new = new
         # token texts are decoded after an anchor token: SentencePiece drops a word's leading
         # space at the start of a text, but the token's text includes it
@@ -120,10 +121,14 @@ class Detokenize:
         while not self._new.empty():
             rid, ids, params = self._new.get_nowait()
             self.detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params)
+            if params.prompt_logprobs is not None:
+                self._prompts[rid] = ids
         ended = {f.rid: f for f in out.finished}
         text = TextOutputs(errors=out.errors, load=out.load)
         if out.logprobs is not None:
             text.logprobs = []
+        if out.prompt_logprobs is not None:
+            text.prompt_logprobs = []
         to_stop = []
         for i, (rid, token) in enumerate(zip(out.rids, out.token_ids, strict=True)):
             detok = self.detoks.get(rid)
@@ -136,6 +141,9 @@ class Detokenize:
             if text.logprobs is not None:
                 assert out.logprobs is not None
                 text.logprobs.append(self._logprobs(token, out.logprobs[i]))
+            if text.prompt_logprobs is not None:
+                assert out.prompt_logprobs is not None
+                text.prompt_logprobs.append(self._prompt_logprobs(rid, out.prompt_logprobs[i]))
             if stop:
                 to_stop.append(rid)
         stepped = set(out.rids)
@@ -151,10 +159,25 @@ class Detokenize:
                     text.num_tokens.append(0)
                     if text.logprobs is not None:
                         text.logprobs.append(None)
+                    if text.prompt_logprobs is not None:
+                        text.prompt_logprobs.append(None)
+            self._prompts.pop(finish.rid, None)
             text.finished.append(detok.end(finish))
         for error in out.errors:
             self.detoks.pop(error.rid, None)
+            self._prompts.pop(error.rid, None)
         return text, to_stop
+
+    def _prompt_logprobs(
+        self, rid: int, logprobs: list[TokenLogprobs | None] | None
+    ) -> list[TextLogprobs] | None:
+        """Each prompt token with its logprob (the first with none)."""
+        prompt = self._prompts.pop(rid, None)
+        if prompt is None or logprobs is None:
+            return None
+        first = TextLogprobs(self._token_text(prompt[0]), None, [])
+        rest = [self._logprobs(t, lp) for t, lp in zip(prompt[1:], logprobs, strict=True)]
+        return [first, *rest]  # type: ignore[list-item]
 
     def _logprobs(self, token: int, logprobs: TokenLogprobs | None) -> TextLogprobs | None:
         if logprobs is None:

@@ -1,0 +1,102 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`; OpenAI's `echo` with `logprobs`, which
+lm-evaluation-harness scores loglikelihoods with): each prompt token's logprob under the tokens
+before it, and the likeliest tokens', equal to Hugging Face's in fp32 however the prompt is
+chunked, with its prefix cached or not, batched with other requests; offline and through the
+server."""
+
+import httpx
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.tokenizer.loader import load_tokenizer
+from minisgl.utils import DEFAULT_MODEL_PATH
+
+from .conftest import DEVICE, hf_model
+from .server_process import ServerProcess
+
+TEXT = "Once upon a time, there was a little girl named Lily. She loved to play"
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[int], torch.Tensor]:
+    """The prompt's ids and Hugging Face's logprobs at each of its positions."""
+    prompt = load_tokenizer(DEFAULT_MODEL_PATH).encode(TEXT)
+    with torch.no_grad():
+        logits = hf_model(DEFAULT_MODEL_PATH)(torch.tensor([prompt], device=DEVICE)).logits[0]
+    return prompt, torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def _check(entries: list, prompt: list[int], want: torch.Tensor) -> None:
+    """vLLM's shape: None for the first token, then each token's logprob and the top ones."""
+    assert entries[0] is None and len(entries) == len(prompt)
+    for p, entry in enumerate(entries[1:]):
+        assert entry["token_id"] == prompt[p + 1]
+        assert entry["logprob"] == pytest.approx(want[p, prompt[p + 1]].item(), abs=1e-4)
+        top = want[p].topk(TOP)
+        assert [t["token_id"] for t in entry["top_logprobs"]] == top.indices.tolist()
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+            top.values.tolist(), abs=1e-4
+        )
+
+
+@pytest.mark.parametrize("chunk_size", [5, 8192])
+def test_prompt_logprobs_equal_hugging_faces(reference, chunk_size: int) -> None:
+    """In chunks of 5 tokens or whole; the second time with the prompt's prefix in the cache
+    (computed again: a cached prefix has no logits), beside a request that asks none, n 2."""
+    prompt, want = reference
+    llm = LLM(device=DEVICE, dtype="float32", max_kv_tokens=2048, chunk_size=chunk_size)
+    asks = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=TOP, n=2)
+    plain = SamplingParams(temperature=0, max_tokens=4)
+    first = llm.generate([prompt], asks, use_tqdm=False)
+    again = llm.generate([prompt[:20], prompt], [plain, asks], use_tqdm=False)
+    assert "prompt_logprobs" not in again[0]
+    for result in [*first, *again[1:]]:
+        _check(result["prompt_logprobs"], prompt, want)
+        assert result["token_ids"] == first[0]["token_ids"]
+    llm.scheduler.check_integrity()
+    assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
+
+
+def test_prompt_logprobs_beyond_the_limit_are_refused() -> None:
+    with pytest.raises(ValueError, match="prompt_logprobs must be an integer in"):
+        SamplingParams(prompt_logprobs=21)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    s = ServerProcess(tmp_path_factory.mktemp("echo"), "--served-model-name", "m")
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
+    server: ServerProcess, reference, stream: bool
+) -> None:
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1;
+    the logprobs cover the prompt's tokens (the first with none), then the one generated."""
+    prompt, want = reference
+    body = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0, "stream": stream}  # fmt: skip
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: {")]
+        choices = [httpx.Response(200, content=e).json()["choices"] for e in events]
+        pieces = [c[0] for c in choices if c]
+        text = "".join(p["text"] for p in pieces)
+        token_logprobs = [lp for p in pieces for lp in p["logprobs"]["token_logprobs"]]
+        top_logprobs = [t for p in pieces for t in p["logprobs"]["top_logprobs"]]
+    else:
+        choice = response.json()["choices"][0]
+        text = choice["text"]
+        token_logprobs = choice["logprobs"]["token_logprobs"]
+        top_logprobs = choice["logprobs"]["top_logprobs"]
+    assert TEXT in text  # after "<s> ": an echoed id prompt shows its special tokens, as vLLM
+    assert len(token_logprobs) == len(prompt) + 1
+    assert token_logprobs[0] is None and top_logprobs[0] is None
+    for p in range(len(prompt) - 1):
+        assert token_logprobs[p + 1] == pytest.approx(want[p, prompt[p + 1]].item(), abs=1e-4)
+        assert len(top_logprobs[p + 1]) in (1, 2)  # the likeliest token, and the prompt's
