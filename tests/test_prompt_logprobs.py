@@ -59,6 +59,19 @@ def test_prompt_logprobs_equal_hugging_faces(reference, chunk_size: int) -> None
     assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
 
 
+@pytest.mark.parametrize("chunk_size", [1, 4])
+def test_a_one_token_chunk_beside_decodes_is_a_prefill(reference, chunk_size: int) -> None:
+    """A step of one token per request is a decode's shape, but the prompt's chunk asks for a
+    row of logits more: 1 token a step, or 4 with three requests decoding beside it."""
+    prompt, want = reference
+    llm = LLM(device=DEVICE, dtype="float32", max_kv_tokens=2048, chunk_size=chunk_size)
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    asks = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=TOP)
+    results = llm.generate([[5], [6], [7], prompt], [plain, plain, plain, asks], use_tqdm=False)
+    _check(results[3]["prompt_logprobs"], prompt, want)
+    llm.scheduler.check_integrity()
+
+
 def test_prompt_logprobs_beyond_the_limit_are_refused() -> None:
     with pytest.raises(ValueError, match="prompt_logprobs must be an integer in"):
         SamplingParams(prompt_logprobs=21)

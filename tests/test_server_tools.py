@@ -291,7 +291,10 @@ def test_required_tool_calls_follow_the_thinking(
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_tool_choice_none_leaves_calls_as_content(server: ServerProcess, stream: bool) -> None:
-    got = _reply(server, stream, messages=QUESTION, tools=TOOLS, tool_choice="none",
+    """Strict tools too (no call is made, so none breaks its schema): OpenAI's Agents SDK sends
+    strict on every tool."""
+    tools = [TOOLS[0], {**ADD, "function": {**ADD["function"], "strict": True}}]
+    got = _reply(server, stream, messages=QUESTION, tools=tools, tool_choice="none",
                  chat_template_kwargs=NO_THINKING, extra_body=_forced(CALL_TEXT))  # fmt: skip
     assert got == [{"reasoning": None, "content": CALL_TEXT, "calls": [], "finish_reason": "stop"}]
 
@@ -348,7 +351,6 @@ def test_tool_requests_that_cannot_be_served_are_refused(server: ServerProcess) 
     assert "content" in error(messages=[{"role": "assistant", "content": None}])
     assert "tokenize" in error(chat_template_kwargs={"tokenize": True})
     strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
-    assert "strict" in error(tools=[strict], tool_choice="none")
     json_mode = {"type": "json_object"}
     assert "strict" in error(tools=[strict], response_format=json_mode)
     assert "tools" in error(tools=[{"type": "custom", "custom": {"name": "x"}}])

@@ -34,7 +34,14 @@ def build_batch(
     slots = np.array([req.slot for req in reqs], dtype=np.int64)
     seq_lens = np.add(prefix_lens, extend_lens)
     cu_seqlens = np.fromiter(itertools.accumulate(extend_lens, initial=0), np.int64)
-    is_decode = int(cu_seqlens[-1]) == len(reqs)
+    spans = []
+    for i in prompt_logprob_rows:
+        start = prefix_lens[i]
+        end = min(start + extend_lens[i], reqs[i].num_prompt_tokens - 1)
+        if end > start:
+            spans.append((i, start, end - start))
+    # a one-token chunk that asks for prompt logprobs makes a prefill of a decode's shape
+    is_decode = int(cu_seqlens[-1]) == len(reqs) and not spans
     if is_decode:
         token_slots, positions = slots, np.array(prefix_lens, dtype=np.int64)
     else:  # thousands of tokens: built in bulk, not with a Python step per token
@@ -45,12 +52,6 @@ def build_batch(
     sample_slots[keep] = slots[keep]
     # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
     # gathers and scatters take as is (a 2-D int32 index would cost two conversion kernels each)
-    spans = []
-    for i in prompt_logprob_rows:
-        start = prefix_lens[i]
-        end = min(start + extend_lens[i], reqs[i].num_prompt_tokens - 1)
-        if end > start:
-            spans.append((i, start, end - start))
     prompt_rows = [int(cu_seqlens[i]) + np.arange(n) for i, _, n in spans]
     prompt_targets = [reqs[i].token_ids[start + 1 : start + n + 1] for i, start, n in spans]
     inputs = BatchInputs(

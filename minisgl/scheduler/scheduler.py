@@ -37,8 +37,8 @@ from .grammar import Grammars
 from .token_table import TokenTable
 
 logger = init_logger(__name__)
-# a prompt's tokens per step while its logprobs are computed: each needs a row of logits, 512 rows
-# of Qwen3's 151,936 ids are 311 MB in fp32
+# prompt tokens per step whose logprobs are computed: each needs a row of logits, 512 rows of
+# Qwen3's 151,936 ids are 311 MB in fp32
 PROMPT_LOGPROBS_CHUNK = 512
 
 
@@ -290,23 +290,31 @@ class Scheduler:
         # token budget (as vLLM's max_num_batched_tokens): every full step has chunk_size tokens,
         # so its matmuls meet one row count, not a new one per step
         budget = max(self.config.chunk_size - len(picked), 0)
+        # each prompt token whose logprob is asked for takes a row of logits: a few per step
+        prompt_rows = PROMPT_LOGPROBS_CHUNK
         for req in [r for r in self.running if r.is_prefilling]:
             if budget == 0:
                 break
-            extend = self._reserve_chunk(req, budget)
+            asks = req.rid in self._prompt_logprobs
+            if asks and prompt_rows == 0:
+                continue
+            extend = self._reserve_chunk(req, min(budget, prompt_rows) if asks else budget)
             if extend == 0:
                 break
             picked.append((req, extend))
             budget -= extend
+            prompt_rows -= extend if asks else 0
         while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
-            extend = self._admit(req, budget)
+            asks = req.rid in self._prompt_logprobs
+            extend = self._admit(req, min(budget, prompt_rows) if asks else budget)
             if extend == 0:
                 break
             self.waiting.popleft()
             self.running.append(req)
             picked.append((req, extend))
             budget -= extend
+            prompt_rows -= extend if asks else 0
         if not picked and self.running and not self._in_flight:
             # every running request is stuck mid-prompt without pages: make room, try next step
             self._preempt(self.running[-1])
@@ -314,8 +322,6 @@ class Scheduler:
 
     def _reserve_chunk(self, req: Req, budget: int) -> int:
         """Reserve pages for the next chunk of req's prompt; returns its length (0: no pages)."""
-        if req.rid in self._prompt_logprobs:
-            budget = min(budget, PROMPT_LOGPROBS_CHUNK)
         extend = min(
             req.device_len - req.cached_len, budget, self.kv.capacity(req.slot) - req.cached_len
         )

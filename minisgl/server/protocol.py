@@ -506,9 +506,6 @@ class ChatCompletionRequest(_GenerateRequest):
         tools = self.tools or []
         if name is not None and name not in [t.function.name for t in tools]:
             raise ApiError(400, f"tool_choice names the function `{name}`, which tools lack")
-        if mode == "none" and any(t.function.strict for t in tools):
-            raise ApiError(400, "tools' function.strict with tool_choice none: no call is made, "
-                           "so none can be held to its parameters")  # fmt: skip
         return mode, name  # type: ignore[return-value]
 
     def strict_calls(self) -> list[tuple[str, dict[str, Any]]] | None:
