@@ -7,7 +7,7 @@ from minisgl.core import Batch, BatchInputs, EngineLayout, Req, TokenMasks
 from minisgl.utils.arrays import ragged_arange, repeat_each
 
 TableWrites = tuple[np.ndarray, np.ndarray]  # flat entries of a device table, and their values
-NO_WRITES: TableWrites = (np.empty(0, np.int64), np.empty(0, np.int64))
+NO_WRITES: TableWrites = (np.empty(0, np.int64), np.empty(0, np.int64))  # (and no rows)
 
 
 def build_batch(
@@ -47,13 +47,18 @@ def build_batch(
     else:  # thousands of tokens: built in bulk, not with a Python step per token
         token_slots = repeat_each(slots, extend_lens)
         positions = ragged_arange(prefix_lens, extend_lens)
+    prompt_rows, prompt_targets = NO_WRITES[0], NO_WRITES[1]
+    if spans:
+        prompt_rows = np.concatenate([int(cu_seqlens[i]) + np.arange(n) for i, _, n in spans])
+        prompt_targets = np.fromiter(
+            itertools.chain(*(reqs[i].token_ids[p + 1 : p + n + 1] for i, p, n in spans)),
+            np.int64,
+        )
     keep = list(range(len(reqs))) if sample_rows is None else sample_rows
     sample_slots = np.full(len(reqs), layout.sink_slot)
     sample_slots[keep] = slots[keep]
     # each token's (slot, position) entry in the flattened tables: a 1-D int32 index, which the
     # gathers and scatters take as is (a 2-D int32 index would cost two conversion kernels each)
-    prompt_rows = [int(cu_seqlens[i]) + np.arange(n) for i, _, n in spans]
-    prompt_targets = [reqs[i].token_ids[start + 1 : start + n + 1] for i, start, n in spans]
     inputs = BatchInputs(
         positions=positions,
         token_entries=token_slots * layout.token_table_width + positions,
@@ -68,8 +73,8 @@ def build_batch(
         page_write_values=page_writes[1],
         token_write_entries=token_writes[0],
         token_write_values=token_writes[1],
-        prompt_rows=np.concatenate(prompt_rows or [np.empty(0, np.int64)]),
-        prompt_targets=np.fromiter(itertools.chain(*prompt_targets), np.int64),
+        prompt_rows=prompt_rows,
+        prompt_targets=prompt_targets,
     )
     return Batch(
         reqs, prefix_lens, extend_lens, keep, is_decode, inputs, processed_rows or [],
