@@ -54,6 +54,9 @@ class TokenizeRequest:
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
+    # the params' max_tokens is the route's default, not the client's: bounded by the room each
+    # prompt leaves in the context (vLLM's), not refused for it
+    default_max_tokens: bool = False
 
 
 @_wire

@@ -500,6 +500,17 @@ def test_a_max_tokens_that_cannot_fit_is_a_400_with_the_numbers(server: ServerPr
     assert fits.status_code == 200
 
 
+def test_completions_default_max_tokens_is_bounded_by_the_context(server: ServerProcess) -> None:
+    """As vLLM's: 16 tokens when the prompt leaves room, else the room it leaves (given, 16 is a
+    400)."""
+    long = {"model": MODEL, "prompt": [5] * 2040, "temperature": 0, "ignore_eos": True}
+    bounded = server.post("/v1/completions", json=long)
+    assert bounded.status_code == 200, bounded.text
+    assert bounded.json()["usage"]["completion_tokens"] == 8
+    assert bounded.json()["choices"][0]["finish_reason"] == "length"
+    assert server.post("/v1/completions", json={**long, "max_tokens": 16}).status_code == 400
+
+
 def test_tokenize_detokenize_version_and_a_model_by_id(
     server: ServerProcess, stories_llm: LLM
 ) -> None:

@@ -221,7 +221,10 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         prompts, params = body.prompts(), body.sampling_params(defaults)
         args.limits.check(body.n, len(prompts), params)
         choices = choice_params(params, body.n)
-        tokenize = TokenizeRequest(client.new_rids(len(prompts) * body.n), choices, prompts)
+        tokenize = TokenizeRequest(
+            client.new_rids(len(prompts) * body.n), choices, prompts,
+            default_max_tokens=body.max_tokens is None,
+        )  # fmt: skip
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
             texts = [p if isinstance(p, str) else await prompt_text(p) for p in prompts]

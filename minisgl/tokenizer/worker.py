@@ -15,6 +15,7 @@ Prompts that cannot be served are answered with an error here, before they reach
 
 import queue
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import zmq
@@ -74,17 +75,29 @@ class Tokenize:
                 )
                 for prompt in request.prompts or [None]
             ]
-            for ids in prompts:  # rejected here, before queuing, by the scheduler's own rule
-                check_prompt(
-                    ids, self.limits.max_seq_len, self.limits.vocab_size, request.params[0]
-                )
+            params = [self._bounded(request, ids) for ids in prompts]
+            for ids, prompt_params in zip(prompts, params, strict=True):
+                # rejected here, before queuing, by the scheduler's own rule
+                check_prompt(ids, self.limits.max_seq_len, self.limits.vocab_size, prompt_params[0])
         except Exception as e:  # a template or a prompt that fails in any way fails this request
             return TextOutputs(errors=[ReqError(rid, str(e)) for rid in request.rids])
         rids = [request.rids[i * choices : (i + 1) * choices] for i in range(len(prompts))]
-        for ids, prompt_rids in zip(prompts, rids, strict=True):
-            for rid, params in zip(prompt_rids, request.params, strict=True):
-                self._new.put((rid, ids, params))
-        return AddRequests(prompts, rids, [request.params] * len(prompts))
+        for ids, prompt_rids, prompt_params in zip(prompts, rids, params, strict=True):
+            for rid, choice in zip(prompt_rids, prompt_params, strict=True):
+                self._new.put((rid, ids, choice))
+        return AddRequests(prompts, rids, params)
+
+    def _bounded(self, request: TokenizeRequest, ids: list[int]) -> list[SamplingParams]:
+        """The choices' params for one prompt: a default max_tokens at most the room it leaves
+        (at least one token: a prompt that fills the context is refused)."""
+        assert self.limits is not None
+        room = max(1, self.limits.max_seq_len - len(ids))
+        if not request.default_max_tokens:
+            return request.params
+        return [
+            p if p.max_tokens is None or p.max_tokens <= room else replace(p, max_tokens=room)
+            for p in request.params
+        ]
 
     def answer(self, query: TokenizerQuery) -> TokenizerAnswer:
         """Ids for a text or a chat, or the text of ids (special tokens included)."""
