@@ -33,7 +33,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # temperature below 0.01 at 0.01)
 MIN_TEMPERATURE = 1e-5
 # the nesting a JSON schema may have: xgrammar compiled 128 levels of arrays in 0.1 s and 256 in
-# 0.7 s (growing ~7x a doubling), on the scheduler's one grammar thread
+# 0.7 s (growing ~7x a doubling), on one of the scheduler's grammar threads
 MAX_SCHEMA_DEPTH = 128
 
 

@@ -1,5 +1,5 @@
 """Structured output: each constrained request's grammar (xgrammar, which vLLM and SGLang use),
-compiled on a thread of the scheduler process and cached per constraint, and the request's
+compiled on threads of the scheduler process and cached per constraint, and the request's
 matcher, advanced by its tokens. The matcher fills the request's row of a batch's token masks.
 A constraint that starts `after` a token (the end of the thinking) waits for it unmatched.
 
@@ -21,6 +21,7 @@ import numpy as np
 from minisgl.core import StructuredOutput
 
 CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently used dropped first
+COMPILE_THREADS = 4
 _OBJECT_SCHEMA = '{"type": "object"}'
 # xgrammar's log prefix on its error messages: "[21:38:14] /project/cpp/x.cc:5088: "
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -40,21 +41,22 @@ class Grammars:
         self._model_path = model_path
         self._vocab_size = vocab_size
         self._eos_ids = list(eos_ids)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # a few at once: one slow schema (a 12,000-value enum took 4 s) must not hold the others
+        self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         self._compiler: Future[_Compiler] | None = None
         self._compiled: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
         self._matchers: dict[int, Any] = {}
         self._waiting: dict[int, tuple[int, Any]] = {}  # rid -> (start token, matcher)
 
     def compile(self, spec: StructuredOutput) -> Future[Any]:
-        """The constraint's compiled grammar (whatever token it starts after), compiling it on the
+        """The constraint's compiled grammar (whatever token it starts after), compiling it on a
         grammar thread if new."""
         if self._compiler is None:
-            self._compiler = self._thread.submit(self._new_compiler)
+            self._compiler = self._threads.submit(self._new_compiler)
         key = spec if spec.after is None else replace(spec, after=None)
         future = self._compiled.get(key)
         if future is None:
-            future = self._thread.submit(_compile, self._compiler, key)
+            future = self._threads.submit(_compile, self._compiler, key)
             self._compiled[key] = future
             if len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
