@@ -172,6 +172,7 @@ class TokenLogprobs:
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None  # a prompt token's: 1 + how many tokens were likelier
 
 
 @_wire
@@ -197,6 +198,10 @@ class TextLogprobs:
     token: str
     logprob: float | None  # None: a prompt's first token, which nothing predicts
     top: list[tuple[str, float]]
+    # a prompt token's, for vLLM's prompt_logprobs: its id and rank, and the top tokens' ids
+    token_id: int | None = None
+    rank: int | None = None
+    top_ids: list[int] | None = None
 
 
 @_wire

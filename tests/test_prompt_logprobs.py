@@ -113,3 +113,50 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
     for p in range(len(prompt) - 1):
         assert token_logprobs[p + 1] == pytest.approx(want[p, prompt[p + 1]].item(), abs=1e-4)
         assert len(top_logprobs[p + 1]) in (1, 2)  # the likeliest token, and the prompt's
+
+
+def _vllm_check(entries: list, prompt: list[int], want: torch.Tensor, top: int) -> None:
+    """vLLM's prompt_logprobs: None, then {token id: {logprob, rank, decoded_token}} of the
+    prompt's token and the `top` likeliest."""
+    assert entries[0] is None and len(entries) == len(prompt)
+    for p, by_id in enumerate(entries[1:]):
+        token = prompt[p + 1]
+        mine = by_id[str(token)]
+        assert mine["logprob"] == pytest.approx(want[p, token].item(), abs=1e-4)
+        assert mine["rank"] == int((want[p] > want[p, token]).sum()) + 1
+        likeliest = want[p].topk(top).indices.tolist()
+        assert set(by_id) == {str(token), *map(str, likeliest)}
+        assert [by_id[str(t)]["rank"] for t in likeliest] == list(range(1, top + 1))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_vllms_prompt_logprobs_field_on_completions(
+    server: ServerProcess, reference, stream: bool
+) -> None:
+    prompt, want = reference
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2,
+            "stream": stream}  # fmt: skip
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: {")]
+        choices = [c for e in events for c in httpx.Response(200, content=e).json()["choices"]]
+        with_them = [c for c in choices if "prompt_logprobs" in c]
+        assert len(with_them) == 1  # the choice's first chunk
+        entries = with_them[0]["prompt_logprobs"]
+    else:
+        entries = response.json()["choices"][0]["prompt_logprobs"]
+    _vllm_check(entries, prompt, want, top=2)
+
+
+def test_vllms_prompt_logprobs_field_on_chat(server: ServerProcess) -> None:
+    """Beside the choices, as vLLM's chat response has them: one prompt for every choice."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "prompt_logprobs": 0, "n": 2}  # fmt: skip
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    entries = response.json()["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == response.json()["usage"]["prompt_tokens"]
+    assert all(len(by_id) == 1 for by_id in entries[1:])  # the prompt's token alone
+    refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "prompt_logprobs": 21})
+    assert refused.status_code == 400 and "prompt_logprobs" in refused.text

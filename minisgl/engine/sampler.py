@@ -94,16 +94,19 @@ class SampleOutput:
     prompt_logprobs: torch.Tensor | None = None  # [rows] float32
     prompt_top_ids: torch.Tensor | None = None  # [rows, n] int32
     prompt_top_logprobs: torch.Tensor | None = None  # [rows, n] float32
+    prompt_ranks: torch.Tensor | None = None  # [rows] int64: 1 + how many tokens are likelier
 
 
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, num_top: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log p(tokens[i]) under row i's logits, the ids and logprobs of its num_top likeliest)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log p(tokens[i]) under row i's logits, the ids and logprobs of its num_top likeliest,
+    tokens[i]'s rank: 1 + how many tokens are likelier)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top = logprobs.topk(num_top, dim=-1)
     chosen = logprobs.gather(1, tokens[:, None].long())[:, 0]
-    return chosen, top.indices.to(torch.int32), top.values
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    return chosen, top.indices.to(torch.int32), top.values, ranks
 
 
 class Sampler:
@@ -180,7 +183,7 @@ class Sampler:
                 tokens = torch.where(args.greedy, step_tokens, tokens)
         out = SampleOutput(tokens)
         if args.num_logprobs >= 0:
-            out.logprobs, out.top_ids, out.top_logprobs = token_logprobs(
+            out.logprobs, out.top_ids, out.top_logprobs, _ = token_logprobs(
                 logits, tokens, args.num_logprobs
             )
         return out

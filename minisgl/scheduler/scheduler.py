@@ -230,8 +230,8 @@ class Scheduler:
         """Note the prompt logprobs a prefill step computed, by position (a chunk computed again
         after a preemption gives the same ones)."""
         assert host.prompt_logprobs is not None and host.prompt_top_ids is not None
-        assert host.prompt_top_logprobs is not None
-        chosen = host.prompt_logprobs.tolist()
+        assert host.prompt_top_logprobs is not None and host.prompt_ranks is not None
+        chosen, ranks = host.prompt_logprobs.tolist(), host.prompt_ranks.tolist()
         top_ids, top_logprobs = host.prompt_top_ids.tolist(), host.prompt_top_logprobs.tolist()
         row = 0
         for i, start, count in batch.prompt_spans:
@@ -241,7 +241,7 @@ class Scheduler:
                 wanted = req.params.prompt_logprobs
                 for k in range(row, row + count):
                     noted[start + k - row] = TokenLogprobs(
-                        chosen[k], top_ids[k][:wanted], top_logprobs[k][:wanted]
+                        chosen[k], top_ids[k][:wanted], top_logprobs[k][:wanted], ranks[k]
                     )
             row += count
 

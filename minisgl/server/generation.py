@@ -144,6 +144,9 @@ class _Run:
                     choice.add(self._echo[index], prompt or [])
                 del self._echo[index]
             if isinstance(item, Delta):
+                if item.prompt_logprobs is not None:
+                    self.choices[index].prompt_logprobs = item.prompt_logprobs
+                    piece.prompt_logprobs = item.prompt_logprobs
                 logprobs = [] if item.logprobs is None else [item.logprobs]
                 self.choices[index].add(item.text, logprobs)
                 piece.add(item.text, logprobs)
@@ -163,7 +166,11 @@ class _Run:
             self.fmt.choice(i, c, 0, self.want_logprobs, delta=False, first=True)
             for i, c in enumerate(self.choices)
         ]
-        return {**self._envelope(choices, chunk=False), "usage": usage(self.choices, self.n)}
+        return {
+            **self._envelope(choices, chunk=False),
+            **self.fmt.prompt_logprobs(self.choices),
+            "usage": usage(self.choices, self.n),
+        }
 
     async def stream(self, first: Items, include_usage: bool) -> AsyncIterator[bytes]:
         """Server-sent events, one per choice for all it got since the last; a client that goes

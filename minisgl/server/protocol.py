@@ -161,7 +161,7 @@ def _structured_output(kind: str, value: Any) -> StructuredOutput:
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -185,6 +185,7 @@ class _GenerateRequest(_Body):
     logit_bias: dict[str, Float] | None = None  # token id (as a string) -> bias
     min_tokens: Int64 | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: Int64 | None = None  # vLLM's
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -287,7 +288,7 @@ class CompletionRequest(_GenerateRequest):
         """With echo, logprobs are the prompt's too (OpenAI's; lm-evaluation-harness scores
         with them)."""
         params = self._params(self.max_tokens, self.logprobs, defaults)
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
             params = replace(params, prompt_logprobs=params.logprobs)
         return params
 

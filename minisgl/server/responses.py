@@ -26,6 +26,7 @@ class Choice:
     text: str = ""
     logprobs: list[TextLogprobs] = field(default_factory=list)
     end: Finished | None = None
+    prompt_logprobs: list[TextLogprobs] | None = None  # its prompt's tokens', where asked
     # the logprobs' token texts, in characters: where the next token's text_offset is (the text
     # lags behind while a possible stop string is held back)
     logprobs_chars: int = 0
@@ -90,6 +91,27 @@ class ReplyFormat(ABC):
             "choices": choices,
         }
 
+    def prompt_logprobs(self, choices: list[Choice]) -> dict[str, Any]:
+        """What a whole response adds of its prompt's logprobs besides its choices'."""
+        return {}
+
+
+def vllm_prompt_logprobs(entries: list[TextLogprobs]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: None for the prompt's first token, then for each one a map from
+    token id to its logprob, rank and text: the prompt's token, then the likeliest ones."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in entries[1:]:
+        ids = [e.token_id, *(e.top_ids or [])]
+        ranks = [e.rank, *range(1, len(e.top) + 1)]
+        texts = [(e.token, e.logprob), *e.top]
+        by_id: dict[str, Any] = {}
+        for token_id, rank, (text, logprob) in zip(ids, ranks, texts, strict=True):
+            by_id.setdefault(
+                str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": text}
+            )
+        out.append(by_id)
+    return out
+
 
 def _top_by_text(
     sampled: tuple[str, float | None], top: list[tuple[str, float]]
@@ -137,7 +159,9 @@ class CompletionFormat(ReplyFormat):
             "logprobs": logprobs,
             "finish_reason": piece.finish_reason,
             "stop_reason": piece.matched_stop,
-        }
+        } | ({} if piece.prompt_logprobs is None else {
+            "prompt_logprobs": vllm_prompt_logprobs(piece.prompt_logprobs)
+        })  # fmt: skip
 
 
 class ReplyParser:
@@ -178,6 +202,11 @@ class ChatFormat(ReplyFormat):
     def __init__(self, new_parser: Callable[[], ReplyParser] | None = None) -> None:
         self.new_parser = new_parser
         self._parsers: dict[int, ReplyParser] = {}  # a streamed choice's, by index
+
+    def prompt_logprobs(self, choices: list[Choice]) -> dict[str, Any]:
+        """As vLLM's chat response: the prompt's logprobs beside the choices (one prompt)."""
+        entries = choices[0].prompt_logprobs if choices else None
+        return {} if entries is None else {"prompt_logprobs": vllm_prompt_logprobs(entries)}
 
     def choice(
         self,

@@ -188,9 +188,23 @@ class Detokenize:
         prompt = self._prompts.pop(rid, None)
         if prompt is None or logprobs is None:
             return None
-        first = TextLogprobs(self._token_text(prompt[0]), None, [])
-        rest = [self._logprobs(t, lp) for t, lp in zip(prompt[1:], logprobs, strict=True)]
-        return [first, *rest]  # type: ignore[list-item]
+        entries = [TextLogprobs(self._token_text(prompt[0]), None, [], token_id=prompt[0])]
+        for token, lp in zip(prompt[1:], logprobs, strict=True):
+            assert lp is not None, "every prompt position is computed before the first token"
+            top = [
+                (self._token_text(t), x) for t, x in zip(lp.top_ids, lp.top_logprobs, strict=True)
+            ]
+            entries.append(
+                TextLogprobs(
+                    self._token_text(token),
+                    lp.logprob,
+                    top,
+                    token_id=token,
+                    rank=lp.rank,
+                    top_ids=lp.top_ids,
+                )
+            )
+        return entries
 
     def _logprobs(self, token: int, logprobs: TokenLogprobs | None) -> TextLogprobs | None:
         if logprobs is None:
