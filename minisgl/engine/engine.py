@@ -237,9 +237,9 @@ class Engine:
             num_top = max(
                 batch.reqs[i].params.prompt_logprobs or 0 for i, _, _ in batch.prompt_spans
             )
-            (
-                out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs, out.prompt_ranks,
-            ) = token_logprobs(logits[num_reqs:], inputs.prompt_targets, num_top)  # fmt: skip
+            prompt = token_logprobs(logits[num_reqs:], inputs.prompt_targets, num_top, ranks=True)
+            out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs = prompt[:3]
+            out.prompt_ranks = prompt[3]
         tp = self.config.tp_size > 1
         if tp:  # every rank takes rank 0's: seeds or logits that differ in a bit must not fork them
             broadcast(out.tokens)

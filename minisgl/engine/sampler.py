@@ -98,15 +98,15 @@ class SampleOutput:
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, num_top: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int, ranks: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(log p(tokens[i]) under row i's logits, the ids and logprobs of its num_top likeliest,
-    tokens[i]'s rank: 1 + how many tokens are likelier)."""
+    with `ranks` tokens[i]'s rank: 1 + how many tokens are likelier)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top = logprobs.topk(num_top, dim=-1)
     chosen = logprobs.gather(1, tokens[:, None].long())[:, 0]
-    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
-    return chosen, top.indices.to(torch.int32), top.values, ranks
+    rank = (logprobs > chosen[:, None]).sum(dim=-1) + 1 if ranks else None
+    return chosen, top.indices.to(torch.int32), top.values, rank
 
 
 class Sampler:
