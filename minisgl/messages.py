@@ -172,7 +172,7 @@ class TokenLogprobs:
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
-    rank: int | None = None  # a prompt token's: 1 + how many tokens were likelier
+    rank: int | None = None  # a prompt token's: how many tokens were at least as likely
 
 
 @_wire

@@ -123,7 +123,7 @@ def _vllm_check(entries: list, prompt: list[int], want: torch.Tensor, top: int) 
         token = prompt[p + 1]
         mine = by_id[str(token)]
         assert mine["logprob"] == pytest.approx(want[p, token].item(), abs=1e-4)
-        assert mine["rank"] == int((want[p] > want[p, token]).sum()) + 1
+        assert mine["rank"] == int((want[p] >= want[p, token]).sum())
         likeliest = want[p].topk(top).indices.tolist()
         assert set(by_id) == {str(token), *map(str, likeliest)}
         assert [by_id[str(t)]["rank"] for t in likeliest] == list(range(1, top + 1))
@@ -158,5 +158,25 @@ def test_vllms_prompt_logprobs_field_on_chat(server: ServerProcess) -> None:
     entries = response.json()["prompt_logprobs"]
     assert entries[0] is None and len(entries) == response.json()["usage"]["prompt_tokens"]
     assert all(len(by_id) == 1 for by_id in entries[1:])  # the prompt's token alone
-    refused = httpx.post(server.url + "/v1/chat/completions", json={**body, "prompt_logprobs": 21})
-    assert refused.status_code == 400 and "prompt_logprobs" in refused.text
+    for bad in ({"prompt_logprobs": 21}, {"stream": True}):  # not streamed, as in vLLM
+        refused = httpx.post(server.url + "/v1/chat/completions", json={**body, **bad})
+        assert refused.status_code == 400 and "prompt_logprobs" in refused.text
+
+
+def test_echo_gives_logprobs_many_likeliest_tokens_whatever_prompt_logprobs_asks(
+    server: ServerProcess, reference
+) -> None:
+    """As vLLM's: the echoed prompt's top_logprobs hold logprobs + 1 entries at most; the
+    prompt_logprobs field holds its own count."""
+    prompt, _ = reference
+    body = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 1, "prompt_logprobs": 5,
+            "max_tokens": 1}  # fmt: skip
+    choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert all(len(by_id) >= 5 for by_id in choice["prompt_logprobs"][1:])
+
+
+def test_a_default_max_tokens_without_room_for_min_tokens_says_so(server: ServerProcess) -> None:
+    body = {"model": "m", "prompt": [5] * 2040, "min_tokens": 12}
+    refused = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and "leaves room for 8 tokens" in refused.text

@@ -94,18 +94,18 @@ class SampleOutput:
     prompt_logprobs: torch.Tensor | None = None  # [rows] float32
     prompt_top_ids: torch.Tensor | None = None  # [rows, n] int32
     prompt_top_logprobs: torch.Tensor | None = None  # [rows, n] float32
-    prompt_ranks: torch.Tensor | None = None  # [rows] int64: 1 + how many tokens are likelier
+    prompt_ranks: torch.Tensor | None = None  # [rows] int64: tokens at least as likely
 
 
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, num_top: int, ranks: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(log p(tokens[i]) under row i's logits, the ids and logprobs of its num_top likeliest,
-    with `ranks` tokens[i]'s rank: 1 + how many tokens are likelier)."""
+    with `ranks` tokens[i]'s rank: how many tokens are at least as likely, as vLLM counts)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top = logprobs.topk(num_top, dim=-1)
     chosen = logprobs.gather(1, tokens[:, None].long())[:, 0]
-    rank = (logprobs > chosen[:, None]).sum(dim=-1) + 1 if ranks else None
+    rank = (logprobs >= chosen[:, None]).sum(dim=-1) if ranks else None
     return chosen, top.indices.to(torch.int32), top.values, rank
 
 

@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import orjson
@@ -106,6 +107,7 @@ class _Run:
     ) -> None:
         self.client, self.group, self.fmt = client, group, fmt
         self._echo = dict(enumerate(echo or []))  # choice -> the text it starts with, until it does
+        self._echo_top = params[0].logprobs or 0
         self.model, self.n, self.want_logprobs = model, len(params), want_logprobs
         self.id = reply_id
         self.created = int(time.time())
@@ -140,8 +142,10 @@ class _Run:
             piece = pieces.setdefault(index, Choice())
             if index in self._echo:  # its prompt, and the prompt's logprobs, come first
                 prompt = item.prompt_logprobs if isinstance(item, Delta) else None
+                # as many likeliest tokens as the logprobs' (prompt_logprobs may ask more)
+                echoed = [replace(t, top=t.top[: self._echo_top]) for t in prompt or []]
                 for choice in (self.choices[index], piece):
-                    choice.add(self._echo[index], prompt or [])
+                    choice.add(self._echo[index], echoed)
                 del self._echo[index]
             if isinstance(item, Delta):
                 if item.prompt_logprobs is not None:

@@ -480,6 +480,9 @@ class ChatCompletionRequest(_GenerateRequest):
             else self.max_tokens
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        if self.stream and self.prompt_logprobs is not None:
+            raise ApiError(400, "prompt_logprobs are not streamed in a chat (as vLLM's)",
+                           param="prompt_logprobs")  # fmt: skip
         params = self._params(given, logprobs, defaults, rest_of_context=True)
         schema = self._tool_schema()
         if schema is None:

@@ -106,9 +106,9 @@ def vllm_prompt_logprobs(entries: list[TextLogprobs]) -> list[dict[str, Any] | N
         texts = [(e.token, e.logprob), *e.top]
         by_id: dict[str, Any] = {}
         for token_id, rank, (text, logprob) in zip(ids, ranks, texts, strict=True):
-            by_id.setdefault(
-                str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": text}
-            )
+            # JSON has no -inf: vLLM's stand-in for it
+            entry = {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": text}
+            by_id.setdefault(str(token_id), entry)
         out.append(by_id)
     return out
 

@@ -94,6 +94,11 @@ class Tokenize:
         room = max(1, self.limits.max_seq_len - len(ids))
         if not request.default_max_tokens:
             return request.params
+        if any(p.min_tokens > room for p in request.params):
+            raise ValueError(
+                f"the prompt leaves room for {room} tokens in this model's context of "
+                f"{self.limits.max_seq_len}, fewer than min_tokens"
+            )
         return [
             p if p.max_tokens is None or p.max_tokens <= room else replace(p, max_tokens=room)
             for p in request.params
