@@ -101,8 +101,10 @@ class Scheduler:
             rids.add(rid)
         if self._wait_for_grammars:
             specs = dict.fromkeys(p.structured for _, _, p in requests if p.structured is not None)
-            for spec in specs:  # in order: the first bad one's error is every rank's
-                self.grammars.check(spec, self.grammars.compile(spec))
+            compiled = {spec: self.grammars.compile(spec) for spec in specs}  # side by side
+            # checked in order: the first bad one's error is every rank's
+            for spec, future in compiled.items():
+                self.grammars.check(spec, future)
         for rid, prompt_ids, params in requests:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             req = Req(rid=rid, token_ids=list(prompt_ids), params=params, seed=seed)
