@@ -237,9 +237,9 @@ class Engine:
             num_top = max(
                 batch.reqs[i].params.prompt_logprobs or 0 for i, _, _ in batch.prompt_spans
             )
-            prompt = token_logprobs(logits[num_reqs:], inputs.prompt_targets, num_top, ranks=True)
-            out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs = prompt[:3]
-            out.prompt_ranks = prompt[3]
+            (out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs, out.prompt_ranks) = (
+                token_logprobs(logits[num_reqs:], inputs.prompt_targets, num_top, ranks=True)
+            )
         tp = self.config.tp_size > 1
         if tp:  # every rank takes rank 0's: seeds or logits that differ in a bit must not fork them
             broadcast(out.tokens)
@@ -278,14 +278,14 @@ def _forward_step(
     sampling: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (each request's row, then a prefill's prompt-logprob rows) and each request's
-    token, already written into the token table: the part of a step that a CUDA graph captures. sampling: (temperatures, uniforms), a temperature of 0
-    marking a greedy row; None: every row greedy."""
+    token, already written into the token table: the part of a step that a CUDA graph captures.
+    sampling: (temperatures, uniforms), a temperature of 0 marking a greedy row; None: every row
+    greedy."""
     input_ids, out_loc = load_inputs(inputs, page_table, token_table)
     with forward_context(ForwardBatch(is_decode, inputs, out_loc, attn_backend, attn_metadata)):
         logits = model.forward(input_ids)
     temperatures, uniforms = sampling if sampling is not None else (None, None)
-    # a request's row each, then a prefill's prompt-logprob rows
-    rows = logits[: inputs.sample_entries.shape[0]]
+    rows = logits[: inputs.sample_entries.shape[0]]  # each request's; prompt-logprob rows follow
     tokens = sample_tokens(
         rows, token_table, inputs.sample_entries, sample_counters, temperatures, uniforms,
         host_token_table,

@@ -7,7 +7,8 @@ from minisgl.core import Batch, BatchInputs, EngineLayout, Req, TokenMasks
 from minisgl.utils.arrays import ragged_arange, repeat_each
 
 TableWrites = tuple[np.ndarray, np.ndarray]  # flat entries of a device table, and their values
-NO_WRITES: TableWrites = (np.empty(0, np.int64), np.empty(0, np.int64))  # (and no rows)
+NO_WRITES: TableWrites = (np.empty(0, np.int64), np.empty(0, np.int64))
+_NO_ROWS = np.empty(0, np.int64)
 
 
 def build_batch(
@@ -47,7 +48,7 @@ def build_batch(
     else:  # thousands of tokens: built in bulk, not with a Python step per token
         token_slots = repeat_each(slots, extend_lens)
         positions = ragged_arange(prefix_lens, extend_lens)
-    prompt_rows, prompt_targets = NO_WRITES[0], NO_WRITES[1]
+    prompt_rows, prompt_targets = _NO_ROWS, _NO_ROWS
     if spans:
         prompt_rows = np.concatenate([int(cu_seqlens[i]) + np.arange(n) for i, _, n in spans])
         prompt_targets = np.fromiter(

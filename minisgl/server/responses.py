@@ -153,15 +153,16 @@ class CompletionFormat(ReplyFormat):
                 "top_logprobs": [_top_by_text((t.token, t.logprob), t.top) for t in piece.logprobs],
                 "text_offset": offsets,
             }
-        return {
+        out = {
             "index": index,
             "text": piece.text,
             "logprobs": logprobs,
             "finish_reason": piece.finish_reason,
             "stop_reason": piece.matched_stop,
-        } | ({} if piece.prompt_logprobs is None else {
-            "prompt_logprobs": vllm_prompt_logprobs(piece.prompt_logprobs)
-        })  # fmt: skip
+        }
+        if piece.prompt_logprobs is not None:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(piece.prompt_logprobs)
+        return out
 
 
 class ReplyParser:

@@ -91,9 +91,9 @@ class Tokenize:
         """The choices' params for one prompt: a default max_tokens at most the room it leaves
         (at least one token: a prompt that fills the context is refused)."""
         assert self.limits is not None
-        room = max(1, self.limits.max_seq_len - len(ids))
         if not request.default_max_tokens:
             return request.params
+        room = max(1, self.limits.max_seq_len - len(ids))
         if any(p.min_tokens > room for p in request.params):
             raise ValueError(
                 f"the prompt leaves room for {room} tokens in this model's context of "
@@ -195,20 +195,9 @@ class Detokenize:
             return None
         entries = [TextLogprobs(self._token_text(prompt[0]), None, [], token_id=prompt[0])]
         for token, lp in zip(prompt[1:], logprobs, strict=True):
-            assert lp is not None, "every prompt position is computed before the first token"
-            top = [
-                (self._token_text(t), x) for t, x in zip(lp.top_ids, lp.top_logprobs, strict=True)
-            ]
-            entries.append(
-                TextLogprobs(
-                    self._token_text(token),
-                    lp.logprob,
-                    top,
-                    token_id=token,
-                    rank=lp.rank,
-                    top_ids=lp.top_ids,
-                )
-            )
+            entry = self._logprobs(token, lp)
+            assert entry is not None and lp is not None, "every prompt position is computed first"
+            entries.append(replace(entry, token_id=token, rank=lp.rank, top_ids=lp.top_ids))
         return entries
 
     def _logprobs(self, token: int, logprobs: TokenLogprobs | None) -> TextLogprobs | None:

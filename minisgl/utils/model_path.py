@@ -51,8 +51,8 @@ def _tokenizer_eos(path: Path) -> int | None:
 
 
 # generation_config.json's fields that vLLM takes as the defaults of a request's sampling
-# parameters (not its max_new_tokens: a default max_tokens here would be held to the context as
-# one the client gave, a 400 where the prompt leaves less room)
+# parameters (not its max_new_tokens, which vLLM takes as the default max_tokens: the routes keep
+# their own, OpenAI's)
 _SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
