@@ -82,10 +82,13 @@ def test_a_reply_without_calls_is_its_content_unchanged() -> None:
     [
         "not json",
         '{"name": oops}',
-        '{"arguments": {}, "name": "f"}',
+        '{"arguments": {}}',
         '{"name": 3, "arguments": {}}',
         '{"name": "f", "arguments": [1]}',
+        '{"name": "f", "arguments": "[1]"}',
+        '{"name": "f", "arguments": "{oops"}',
         '{"name": "f"',
+        '{"a": ' + "[" * 3000 + "]" * 3000 + "}",  # too deep for json.loads
     ],
 )
 def test_a_malformed_block_is_left_as_content(block: str) -> None:
@@ -93,6 +96,25 @@ def test_a_malformed_block_is_left_as_content(block: str) -> None:
     content, calls = _same_however_split(HermesToolParser, text)
     assert content == f"a <tool_call>{block}</tool_call> b"
     assert [c["name"] for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        '{"arguments": {"city": "Paris", "days": [1]}, "name": "get_weather"}',
+        '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": [1]}"}',
+        '{"parameters": "{\\"city\\": \\"Paris\\", \\"days\\": [1]}", "name": "get_weather"}',
+    ],
+)
+def test_a_call_in_another_shape_is_read_whole_once_its_block_closes(block: str) -> None:
+    text = f"a <tool_call>\n{block}\n</tool_call> b <tool_call>{block}"  # the second never closed
+    content, calls = _same_however_split(HermesToolParser, text)
+    assert content == "a  b"
+    args = {"city": "Paris", "days": [1]}
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", args)] * 2
+    parser = HermesToolParser()
+    assert parser.feed(f"<tool_call>{block[:-1]}") == ("", [])  # nothing is sent before it closes
+    assert [d.name for d in parser.feed("}</tool_call>")[1]] == ["get_weather"]
 
 
 def test_a_call_cut_short_is_closed() -> None:

@@ -7,8 +7,9 @@ final and the call deltas to send (a call's first delta holds its id and name, t
 pieces of its arguments). Decisions depend only on the text, never on where it was split, so the
 whole reply fed at once gives the same content and calls. A call's arguments are the model's own
 JSON text (OpenAI warns that they may not be valid JSON); one cut short is closed with the brackets
-it left open. A block that is not a call (no `{"name": "…", "arguments": {` at its start) is
-content, its tags included.
+it left open. A call object in another shape (its arguments first, or as a string of JSON, as
+vLLM's and SGLang's parsers read them too) is read whole once its block closes; a block that is
+no call object is content, its tags included.
 """
 
 import json
@@ -114,6 +115,21 @@ def call_header(text: str, arg_keys: tuple[str, ...]) -> tuple[str, int] | bool 
     return name, c.pos - 1
 
 
+def whole_call(text: str) -> tuple[str, str] | None:
+    """The name and the arguments' JSON of a call object in any key order, its arguments an
+    object or a string holding one; None when `text` is no such object."""
+    try:
+        call = json.loads(text)
+        arguments = call.get("arguments", call.get("parameters", {}))
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+    except (ValueError, AttributeError, RecursionError):  # not JSON, no object, nested too deep
+        return None
+    if not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+        return None
+    return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
 @dataclass
 class _ValueEnd:
     """Finds where a JSON object or array ends, fed its text from its first bracket on."""
@@ -194,7 +210,7 @@ class HermesToolParser:
     def __init__(self, parallel: bool = True) -> None:
         self.parallel = parallel
         self.reply = _Reply()
-        self._state = "text"  # text -> header -> arguments -> after -> text
+        self._state = "text"  # text -> header -> arguments -> after -> text, or header -> whole
         self._held = ""  # text not yet decided on
         self._args = _ValueEnd()
 
@@ -245,12 +261,15 @@ class HermesToolParser:
                 if header is None and end < 0 and not final:
                     self._held = text
                     return
-                if not isinstance(header, tuple):  # not a call: its tag is plain text
-                    self.reply.content(self.open)
-                    self._state = "text"
+                if not isinstance(header, tuple):
+                    if text.lstrip(_WS).startswith("{"):  # perhaps a call in another shape
+                        self._state = "whole"
+                    else:  # not a call: its tag is plain text
+                        self.reply.content(self.open)
+                        self._state = "text"
                     continue
                 name, start = header
-                skip = not self.parallel and self.reply.num_calls > 0
+                skip = self._skipped()
                 if not skip:
                     self.reply.new_call(name, "{}" if text[start] == "}" else "")
                 if text[start] == "}" or skip:
@@ -258,6 +277,18 @@ class HermesToolParser:
                     continue
                 self._state, self._args = "arguments", _ValueEnd()
                 text = text[start:]
+            elif self._state == "whole":
+                before, tag, rest = text.partition(self.close)
+                if not tag and not final:
+                    self._held = text
+                    return
+                if (call := whole_call(before)) is None:  # its tag is plain text
+                    self.reply.content(self.open)
+                    self._state = "text"
+                    continue
+                if not self._skipped():
+                    self.reply.new_call(*call)
+                self._state, text = "text", rest
             elif self._state == "arguments":
                 before, tag, rest = text.partition(self.close)
                 keep = 0 if tag or final else partial_tag_len(before, self.close)
@@ -280,6 +311,10 @@ class HermesToolParser:
                     self._held = before[len(before) - keep :]
                     return
                 self._state = "text"
+
+    def _skipped(self) -> bool:
+        """Whether a call found now is dropped: one past the first without parallel calls."""
+        return not self.parallel and self.reply.num_calls > 0
 
 
 class JsonArrayToolParser:
