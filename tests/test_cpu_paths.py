@@ -40,10 +40,10 @@ def prompts() -> list[list[int]]:
     return first + [first[0], first[4] + [3], first[5] + [3, 1, 4]]
 
 
-def generate(path, **settings) -> list[list[int]]:
+def generate(path, dtype: str = "float32", **settings) -> list[list[int]]:
     ids = prompts()
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
-    llm = LLM(str(path), device="cpu", dtype="float32", max_kv_tokens=2048, **settings)
+    llm = LLM(str(path), device="cpu", dtype=dtype, max_kv_tokens=2048, **settings)
     first = llm.generate(ids[: len(PROMPT_LENS)], params, use_tqdm=False)
     again = llm.generate(ids[len(PROMPT_LENS) :], params[:3], use_tqdm=False)
     return [r["token_ids"] for r in first + again]
@@ -62,6 +62,14 @@ def test_fast_attention_gives_the_torch_backends_tokens(model_path, backend, opt
         pytest.skip("no C++ compiler built the kernels")
     want = generate(model_path, attention_backend="torch", **options)
     assert generate(model_path, attention_backend=backend, **options) == want
+
+
+def test_fp16_caches_attend_as_the_reference_where_the_cpp_kernel_takes_none(model_path) -> None:
+    """The default backend's C++ decode kernel takes fp32 and bf16 caches only."""
+    if not cpp.available():
+        pytest.skip("no C++ compiler built the kernels")
+    want = generate(model_path, "float16", attention_backend="torch")
+    assert generate(model_path, "float16") == want
 
 
 def test_one_token_rows_split_by_length_only_where_padding_outweighs_a_call() -> None:

@@ -29,6 +29,9 @@ class CppBackend(TorchBackend):
         return prompt_spans(inputs.cu_seqlens_q, inputs.slots, inputs.seq_lens)
 
     def forward(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
+        if not cpp.serves_decode_attention(k_cache, v_cache):  # fp16: every row as the reference
+            return super().forward(q, layer_id, batch)
         inputs = batch.inputs
         columns = (inputs.cu_seqlens_q, inputs.slots, inputs.seq_lens)
         spans: list[Span] | None = batch.attn_metadata
@@ -36,7 +39,6 @@ class CppBackend(TorchBackend):
             spans = prompt_spans(*(c.numpy() for c in columns))
         out = torch.empty_like(q)
         if len(spans) < len(inputs.slots):  # some rows decode
-            k_cache, v_cache = self.pool.k_cache(layer_id), self.pool.v_cache(layer_id)
             cpp.decode_attention(q, k_cache, v_cache, self.page_table, *columns, out)
         self.attend_each(q, layer_id, spans, out)
         return out

@@ -124,6 +124,11 @@ def serves_norm(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | N
     )
 
 
+def serves_decode_attention(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes these caches: fp32 or bf16, both of one dtype."""
+    return k_cache.dtype in (torch.float32, torch.bfloat16) and v_cache.dtype == k_cache.dtype
+
+
 def serves_activation(x: torch.Tensor) -> bool:
     """Whether `silu_and_mul` takes x: fp32 [rows, 2n] on the CPU, each row contiguous."""
     return _fp32_rows(x) and x.shape[-1] % 2 == 0 and available()
@@ -242,7 +247,7 @@ def decode_attention(
     positions of page-table row slots[i], scaled by 1/sqrt(D). Other rows of out are left as they
     are. q, out: [rows, qo_heads, D] (any row stride); caches: [locations, kv_heads, D], fp32 or
     bf16; the int columns int32."""
-    assert k_cache.dtype in (torch.float32, torch.bfloat16) and v_cache.dtype == k_cache.dtype
+    assert serves_decode_attention(k_cache, v_cache)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and page_table.is_contiguous()
     columns = (page_table, cu_seqlens_q, slots, seq_lens)
     assert all(c.dtype == torch.int32 and c.is_contiguous() for c in columns)
