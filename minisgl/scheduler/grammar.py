@@ -84,8 +84,12 @@ class Grammars:
         try:
             grammar = compiled.result()
         except RuntimeError as e:  # xgrammar's error for a schema, regex or grammar it refuses
-            message = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[-1])
-            raise ValueError(f"invalid structured output: {message}") from e
+            # its last line says why; a number past a double's range (1e400) raises one of none
+            lines = str(e).strip().splitlines()
+            why = (
+                _XGRAMMAR_PREFIX.sub("", lines[-1]) if lines else "the grammar compiler refused it"
+            )
+            raise ValueError(f"invalid structured output: {why}") from e
         if spec.after is None:
             return grammar, None
         assert self._compiler is not None, "a grammar compiled before its compiler"
