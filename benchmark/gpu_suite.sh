@@ -163,9 +163,9 @@ for part in "$@"; do
       (ln -sfn ../tests .baseline/tests && cd .baseline && PYTHONPATH="$OLDPWD/.site" \
         OUT="$OUT/baseline" bash benchmark/gpu_suite.sh ${BASELINE_PARTS:-bench latency}) ;;
     tests)  # four workers (the image has pytest-xdist), a module per worker; -v names each failure
-      # as it happens, so a run cut off by its limit still says which failed
+      # as it happens, so a run cut off by its limit still says which failed; TESTS picks files
       MINISGL_TEST_DEVICE=cuda step tests "${TESTS_LIMIT:-420}" python3 -m pytest -v -rf -n 4 --dist loadfile \
-        --timeout 300 --durations=10 -p no:cacheprovider tests ;;
+        --timeout 300 --durations=10 -p no:cacheprovider ${TESTS:-tests} ;;
     tests-engine)  # everything but the server processes (--dp's router is no wheel there); ~10 min
       # in all, so split over calls with TESTS, e.g. TESTS='tests/test_[a-l]*.py', then [m-z]
       MINISGL_TEST_DEVICE=cuda step tests_engine "${TESTS_LIMIT:-540}" python3 -m pytest -q -rf \
