@@ -197,6 +197,37 @@ def test_tokens_without_bytes_do_not_settle_a_character_they_split(
         assert "".join(pieces) == _whole(qwen3, ids) == "𠀋 ok", pieces
 
 
+class _Counted:
+    """A tokenizer that notes the most ids it was asked to decode at once."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer, self.most = tokenizer, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+    def decode(self, ids: list[int], **kwargs: bool) -> str:
+        self.most = max(self.most, len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_a_run_of_tokens_without_text_is_not_decoded_again_at_every_step(
+    qwen3: PreTrainedTokenizerBase,
+) -> None:
+    """Special tokens (a model writing <|endoftext|> on under ignore_eos) and ids past the
+    tokenizer's vocabulary decode to nothing; a run of them held for good would make each step
+    decode it all again, in the detokenize thread all requests share."""
+    counted = _Counted(qwen3)
+    endoftext = qwen3.convert_tokens_to_ids("<|endoftext|>")
+    ids = [endoftext] * 300 + [len(qwen3) + 3] * 300 + qwen3.encode(" ok 𠀋")
+    pieces, detok = _stream(counted, ids)  # type: ignore[arg-type]
+    assert "".join(pieces) == detok.text == _whole(qwen3, ids) == " ok 𠀋"
+    assert counted.most < 16
+
+
 def test_a_byte_fallback_run_streams_the_text_the_whole_run_decodes_to() -> None:
     """sentencepiece's ByteFallback makes every byte of an invalid run U+FFFD, valid ones too:
     the run's text waits for its end."""

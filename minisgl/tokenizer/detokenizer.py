@@ -9,6 +9,7 @@ first min_tokens tokens does not count (one that only begins there does, as in v
 pieces always concatenate to the final text.
 """
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -20,7 +21,7 @@ from minisgl.messages import Finished
 # prompt tokens decoded with the first output tokens, so a leading space is rendered as in context
 _CONTEXT_TOKENS = 5
 # the tokens after a character's first byte that may still complete it: UTF-8 has 4 bytes at most,
-# and every token but a special one has a byte at least
+# and every token kept (`_silent_ids`) has a byte at least
 _HELD_TOKENS = 3
 _NO_STOP = SamplingParams()
 
@@ -32,6 +33,15 @@ def _bytes_settle(tokenizer: PreTrainedTokenizerBase) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = None if backend is None else backend.decoder
     return decoder is not None and b'"ByteFallback"' not in decoder.__getstate__()
+
+
+@functools.cache
+def _silent_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[frozenset[int], int]:
+    """The special tokens, which decode with skip_special_tokens drops, and the tokenizer's
+    length, past which ids (the model's vocabulary may be larger) decode to nothing too. Such
+    ids are not kept: a run of them, never released, would be decoded again at every step."""
+    special = (i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+    return frozenset(special), len(tokenizer)
 
 
 class IncrementalDetokenizer:
@@ -57,6 +67,7 @@ class IncrementalDetokenizer:
         self.num_tokens = 0  # output tokens given, up to the one that completed a stop string
         self.matched_stop: str | None = None  # the stop string that ended the text
         self._bytes_settle = _bytes_settle(tokenizer)
+        self._special_ids, self._known = _silent_ids(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -71,11 +82,7 @@ class IncrementalDetokenizer:
             start = len(prefix_text.rstrip("\ufffd"))
         if len(new_text) > start and (final or not new_text.endswith("\ufffd")):
             self._release(new_text[start:], len(self._ids))
-        elif (
-            self._bytes_settle
-            and len(self._ids) - self._read_offset > _HELD_TOKENS
-            and self._have_bytes(self._ids[-_HELD_TOKENS:])
-        ):
+        elif self._bytes_settle and len(self._ids) - self._read_offset > _HELD_TOKENS:
             # a U+FFFD that the last tokens leave in place is no half character: its text goes
             # out, so that a run of such tokens is not decoded again at every step
             cut = len(self._ids) - _HELD_TOKENS
@@ -89,12 +96,6 @@ class IncrementalDetokenizer:
         self.text += text
         del self._ids[: self._read_offset]
         self._prefix_offset, self._read_offset = 0, end - self._read_offset
-
-    def _have_bytes(self, ids: list[int]) -> bool:
-        """Each of `ids` decodes to a byte at least: none is a special token, or past the
-        tokenizer's vocabulary (the model's may be larger)."""
-        known = len(self._tokenizer)
-        return all(i < known for i in ids) and set(ids).isdisjoint(self._tokenizer.all_special_ids)
 
     def step(self, token_ids: Sequence[int], finish: Finished | None = None) -> tuple[str, bool]:
         """Add sampled tokens (one per step when streaming or matching stop strings; all at once
@@ -110,7 +111,7 @@ class IncrementalDetokenizer:
         stop_token = finished and isinstance(finish.matched_stop, int) and not self._include_stop
         new = token_ids[:-1] if stop_token else token_ids
         if new or finished:
-            self._ids.extend(new)
+            self._ids.extend(t for t in new if t < self._known and t not in self._special_ids)
             self._read(final=finished)
         found = self._find_stop() if self.num_tokens > self._min_tokens else None
         self._searched = len(self.text)
