@@ -8,6 +8,7 @@ from the end of its thinking (`thinking_server`), where a `</think>` forced by l
 the random weights' thinking."""
 
 import json
+import re
 from typing import Any
 
 import jsonschema
@@ -419,6 +420,12 @@ def test_required_calls_keep_the_tools_definitions_where_their_references_point(
     )
     with pytest.raises(ApiError, match=r"tools define \$defs/Loc differently"):
         request.sampling_params({})
+    for key, value in [("$defs", "x"), ("definitions", [1])]:  # an AttributeError's 500 before
+        request = ChatCompletionRequest(
+            messages=QUESTION, tools=[_tool("go", {**at, key: value})], tool_choice="required"
+        )
+        with pytest.raises(ApiError, match=re.escape(f"parameters.{key} must be an object")):
+            request.sampling_params({})
 
 
 def test_client_json_keys_cross_the_wire_unchanged() -> None:

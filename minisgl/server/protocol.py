@@ -543,7 +543,11 @@ class ChatCompletionRequest(_GenerateRequest):
         for t in tools:
             parameters = dict(t.function.schema())
             for key, found in definitions.items():
-                for name, definition in (parameters.pop(key, None) or {}).items():
+                if not isinstance(defined := parameters.pop(key, {}), dict):
+                    raise ApiError(
+                        400, f"a tool's parameters.{key} must be an object", param="tools"
+                    )
+                for name, definition in defined.items():
                     if found.setdefault(name, definition) != definition:
                         raise ApiError(400, f"tools define {key}/{name} differently", param="tools")
             calls.append(
