@@ -229,6 +229,24 @@ def test_a_schema_nested_past_the_limit_is_a_400(server: ServerProcess, fields) 
     assert _text(server, max_tokens=4).text  # served on
 
 
+def test_a_chat_nested_past_what_passes_to_the_tokenizer_is_a_400(server: ServerProcess) -> None:
+    """A tool call's arguments, JSON text the template gets parsed, may nest as deep as the
+    body's own parser allows: past what the message to the tokenizer process packs (a 500 and a
+    request held open for good before)."""
+    deep = '{"a":' * 1020 + "1" + "}" * 1020
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    chat = {"model": "m", "messages": messages}
+    for path, body in [("/v1/chat/completions", {**chat, "max_tokens": 2}), ("/tokenize", chat)]:
+        r = server.post(path, json=body)
+        assert r.status_code == 400 and "nests too deep" in r.json()["error"]["message"], r.text
+    assert _text(server, max_tokens=4).text  # served on
+
+
 def test_top_logprobs_of_tokens_that_render_alike_keep_the_likeliest() -> None:
     """A completion's top_logprobs are keyed by text: the pieces of a multi-byte character all
     render as U+FFFD."""
