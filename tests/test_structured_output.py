@@ -209,6 +209,7 @@ def test_offline_constrained_batch_is_the_same_with_overlap_on_and_off(
     [
         StructuredOutput(grammar="root ::= undefined_rule"),
         StructuredOutput(json_schema='{"type": "number", "maximum": -1e400}'),
+        StructuredOutput(structural_tag="[1]"),  # xgrammar's TypeError before
     ],
 )
 def test_offline_constraint_that_does_not_compile_raises_and_leaks_nothing(
@@ -234,6 +235,12 @@ def test_offline_constraint_that_does_not_compile_raises_and_leaks_nothing(
         ({"$defs": {"A": {"if": {"type": "integer"}}}, "$ref": "#/$defs/A"}, "#/$defs/A/if"),
         ({"items": {"$ref": "https://example.com/a.json"}}, "#/items/$ref to another document"),
         ({"properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, "#/dependentRequired"),
+        # xgrammar 0.2.9 lets any value through these (and refuses {"a": 1} for the second)
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "#/allOf of more than one schema"),
+        ({"type": "object", "properties": {"b": {}}, "required": ["a"],
+          "additionalProperties": True}, '#/required "a" outside its properties'),
+        ({"type": "array", "items": {"type": "object", "required": ["a"]}},
+         '#/items/required "a" outside its properties'),
     ],
 )  # fmt: skip
 def test_schema_keywords_xgrammar_would_not_enforce_are_refused(

@@ -168,6 +168,8 @@ def _compile(compiler: Future[_Compiler], spec: StructuredOutput) -> Any:
         return c.compile_grammar(f"root ::= {alternatives}")
     if spec.structural_tag is not None:
         tag = json.loads(spec.structural_tag)
+        if not isinstance(tag, dict):  # xgrammar's TypeError otherwise
+            raise ValueError("invalid structured output: a structural tag is a JSON object")
         _refuse_unenforced(_tag_schemas(tag))
         return c.compile_structural_tag(tag)
     return c.compile_grammar(spec.grammar)
@@ -220,6 +222,13 @@ def unenforced_keyword(schema: Any, path: str) -> str | None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         return f"{path}/$ref to another document"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"{path}/allOf of more than one schema"
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    if isinstance(schema.get("required"), list):
+        for name in schema["required"]:
+            if name not in properties:  # then never enforced, nor at times allowed
+                return f"{path}/required {json.dumps(name)} outside its properties"
     children = [(f"{path}/{k}", schema[k]) for k in _SUBSCHEMA if k in schema]
     children += [
         (f"{path}/{k}/{i}", sub)
