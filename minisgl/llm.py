@@ -189,6 +189,8 @@ class LLM:
     def _run_to_end(self, out: StepOutputs, runs: dict[int, "_Run"], use_tqdm: bool) -> None:
         with tqdm(total=len(runs), desc="generate", disable=not use_tqdm) as bar:
             while True:
+                if out.errors:  # a request ended in error as it ran (its grammar too costly)
+                    raise ValueError(out.errors[0].message)
                 now = time.perf_counter()  # when this step's tokens reached the host
                 # a stop string matched: the request ends in the next step, as in the server
                 stopped = self._apply(out, runs, now)

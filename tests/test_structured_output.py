@@ -147,12 +147,14 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_serves_on(
 ) -> None:
     client = server.client()
     before = server.metrics()
-    # xgrammar's error for a number past a double's range has no text
-    for bad in ({"regex": "("}, {"json": '{"const": 1e400}'}):
-        with pytest.raises(openai.BadRequestError, match="invalid structured output"):
+    # xgrammar's error for a number past a double's range has no text; the grammar's steps take
+    # longer with each token matched, and the request ends in error as it runs
+    for bad in ({"regex": "("}, {"json": '{"const": 1e400}'}, {"grammar": GROWING}):
+        with pytest.raises(openai.BadRequestError, match="invalid structured output|too costly"):
             client.completions.create(
-                model="q", prompt="x", max_tokens=5, extra_body={"structured_outputs": bad}
-            )
+                model="q", prompt="x", max_tokens=64,
+                extra_body={"structured_outputs": bad, "min_tokens": 64},
+            )  # fmt: skip
     with pytest.raises(openai.BadRequestError, match="give one output constraint"):
         client.completions.create(
             model="q", prompt="x", max_tokens=5,
@@ -222,6 +224,35 @@ def test_offline_constraint_that_does_not_compile_raises_and_leaks_nothing(
     assert not llm.scheduler.has_work
     llm.scheduler.check_integrity()
     assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
+
+
+# xgrammar matches these in time that grows: the first in its first mask (1.6 s on a 2-core CPU
+# with Qwen3's vocabulary), the second with every token it accepts (past 0.25 s a step by ~30
+# characters)
+SLOW_START = "(([a-z]?){0,20}){0,20}"
+GROWING = 'root ::= x\nx ::= x x x | [a-z] | ""'
+
+
+def test_a_grammar_too_costly_to_match_is_refused_or_ended_and_the_engine_serves_on(
+    llms: dict[bool, LLM],
+) -> None:
+    """A grammar whose first mask takes longer than a matcher step may is refused; one whose
+    steps grow past it ends in error as it runs (min_tokens holds its eos back)."""
+    for llm in llms.values():
+        slow_start = StructuredOutput(regex=SLOW_START)
+        with pytest.raises(ValueError, match="too costly to match"):
+            llm.generate(["a"], SamplingParams(structured=slow_start), use_tqdm=False)
+        growing = SamplingParams(
+            temperature=0,
+            max_tokens=64,
+            min_tokens=64,
+            structured=StructuredOutput(grammar=GROWING),
+        )
+        with pytest.raises(ValueError, match="too costly to match: a step took over"):
+            llm.generate(["a", "b"], [SamplingParams(max_tokens=8), growing], use_tqdm=False)
+        assert llm.generate(["c"], SamplingParams(max_tokens=4), use_tqdm=False)[0]["token_ids"]
+        llm.scheduler.check_integrity()
+        assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,9 @@ arrives: its tokenizer tables took 1.3 s to build for Qwen3's vocabulary on a 2-
 
 import json
 import re
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +23,12 @@ from minisgl.core import StructuredOutput
 
 CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently used dropped first
 COMPILE_THREADS = 4
+# a matcher step (a token's mask, or a token accepted) may take this long; a grammar whose first
+# mask takes longer is refused, a request whose step does is ended: xgrammar matches an
+# ambiguous regex or grammar in time that grows with the output (`(([a-z]?){0,40}){0,40}`: 6.4 s
+# for its first mask on a 2-core CPU, a JSON schema's 0.2 ms), and the scheduler's every request
+# waits for its steps
+MAX_MATCH_SECONDS = 0.25
 _OBJECT_SCHEMA = '{"type": "object"}'
 # xgrammar's log prefix on its error messages: "[21:38:14] /project/cpp/x.cc:5088: "
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -37,7 +44,11 @@ class Grammars:
     """The compiled grammars and the matchers (by request id) of one scheduler: those that hold
     their request's tokens, and those waiting for their start token."""
 
-    def __init__(self, model_path: Path, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    def __init__(
+        self, model_path: Path, vocab_size: int, eos_ids: Sequence[int], timed: bool = True
+    ) -> None:
+        """timed: hold matcher steps to MAX_MATCH_SECONDS (not under TP, whose ranks would each
+        time theirs, and decide apart)."""
         self._model_path = model_path
         self._vocab_size = vocab_size
         self._eos_ids = list(eos_ids)
@@ -47,6 +58,8 @@ class Grammars:
         self._compiled: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
         self._matchers: dict[int, Any] = {}
         self._waiting: dict[int, tuple[int, Any]] = {}  # rid -> (start token, matcher)
+        self._timed = timed
+        self._too_slow: list[int] = []  # requests whose matcher took a step too long
 
     def compile(self, spec: StructuredOutput) -> Future[Any]:
         """The constraint's compiled grammar (whatever token it starts after), compiling it on a
@@ -56,7 +69,7 @@ class Grammars:
         key = spec if spec.after is None else replace(spec, after=None)
         future = self._compiled.get(key)
         if future is None:
-            future = self._threads.submit(_compile, self._compiler, key)
+            future = self._threads.submit(_compile, self._compiler, key, self._timed)
             self._compiled[key] = future
             if len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
@@ -137,21 +150,52 @@ class Grammars:
                 self._matchers[rid] = matcher
             return False
         matcher = self._matchers[rid]
-        return not matcher.accept_token(token) or matcher.is_terminated()
+        return not self._step(rid, matcher.accept_token, token) or matcher.is_terminated()
 
     def fill_mask(self, rid: int, bits: np.ndarray, row: int) -> None:
-        self._matchers[rid].fill_next_token_bitmask(bits, row)
+        self._step(rid, self._matchers[rid].fill_next_token_bitmask, bits, row)
+
+    def _step(self, rid: int, call: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter()
+        result = call(*args)
+        if self._timed and time.perf_counter() - start > MAX_MATCH_SECONDS:
+            self._too_slow.append(rid)
+        return result
+
+    def take_too_slow(self) -> list[int]:
+        """The requests whose matcher took a step longer than MAX_MATCH_SECONDS since the last
+        call: they are to be ended."""
+        found, self._too_slow = self._too_slow, []
+        return found
 
     def drop(self, rid: int) -> None:
         self._matchers.pop(rid, None)
         self._waiting.pop(rid, None)
 
 
-def _compile(compiler: Future[_Compiler], spec: StructuredOutput) -> Any:
-    """The grammar of one constraint. JSON allows no free whitespace (vLLM's
-    disable_any_whitespace): sampled whitespace otherwise runs to the token limit. Raises
-    ValueError for a schema keyword xgrammar would compile without holding the output to it."""
-    c = compiler.result().compiler
+def _compile(compiler: Future[_Compiler], spec: StructuredOutput, timed: bool) -> Any:
+    """The grammar of one constraint, and with `timed`, its first mask's time checked. Raises
+    ValueError for a schema keyword xgrammar would compile without holding the output to it,
+    or a first mask past MAX_MATCH_SECONDS."""
+    import xgrammar
+
+    grammar = _grammar(compiler.result().compiler, spec)
+    if timed:
+        start = time.perf_counter()
+        mask = xgrammar.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
+        xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
+        if (seconds := time.perf_counter() - start) > MAX_MATCH_SECONDS:
+            raise ValueError(
+                f"invalid structured output: too costly to match (its first token's mask took "
+                f"{seconds:.2f} s, over {MAX_MATCH_SECONDS} s)"
+            )
+    return grammar
+
+
+def _grammar(c: Any, spec: StructuredOutput) -> Any:
+    """The grammar of one constraint, compiled by xgrammar's compiler `c`. JSON allows no free
+    whitespace (vLLM's disable_any_whitespace): sampled whitespace otherwise runs to the token
+    limit."""
     if spec.json_schema is not None:
         try:
             schemas = [json.loads(spec.json_schema)]

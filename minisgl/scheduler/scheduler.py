@@ -33,7 +33,7 @@ from minisgl.messages import Finished, ReqError, StepOutputs, TokenLogprobs
 from minisgl.utils import init_logger
 
 from .batch_builder import build_batch
-from .grammar import Grammars
+from .grammar import MAX_MATCH_SECONDS, Grammars
 from .token_table import TokenTable
 
 logger = init_logger(__name__)
@@ -79,7 +79,9 @@ class Scheduler:
         self._reqs: dict[int, Req] = {}
         self._in_flight: _InFlight | None = None
         self._rng = random.Random(config.seed)
-        self.grammars = Grammars(engine.config.model_path, layout.vocab_size, eos_ids)
+        self.grammars = Grammars(
+            engine.config.model_path, layout.vocab_size, eos_ids, timed=engine.config.tp_size == 1
+        )
         self._compiling: dict[int, tuple[Req, Future[Any]]] = {}  # waiting for their grammar
         self._wait_for_grammars = wait_for_grammars
         self._errors: list[ReqError] = []  # requests whose grammar failed, for the next outputs
@@ -174,8 +176,20 @@ class Scheduler:
         else:
             finished_step, self._in_flight = self._in_flight, launched
             out = self._process(finished_step) if finished_step else out
+        self._end_too_slow()
         out.errors, self._errors = self._errors, []
         return out
+
+    def _end_too_slow(self) -> None:
+        """End in error each request whose matcher took a step too long (its Finished is not
+        sent: the error is)."""
+        for rid in self.grammars.take_too_slow():
+            if (req := self._reqs.get(rid)) is not None:
+                self._finish(req, "abort", None)
+                message = (
+                    f"structured output too costly to match: a step took over {MAX_MATCH_SECONDS} s"
+                )
+                self._errors.append(ReqError(rid, message))
 
     def _start_compiled(self) -> None:
         """Queue the requests whose grammar is ready; those whose grammar failed end in error."""
