@@ -212,6 +212,8 @@ def test_offline_constrained_batch_is_the_same_with_overlap_on_and_off(
         StructuredOutput(grammar="root ::= undefined_rule"),
         StructuredOutput(json_schema='{"type": "number", "maximum": -1e400}'),
         StructuredOutput(structural_tag="[1]"),  # xgrammar's TypeError before
+        StructuredOutput(grammar="root ::= root"),  # no token allowed: token 0 came out before
+        StructuredOutput(regex="[^\\s\\S]"),
     ],
 )
 def test_offline_constraint_that_does_not_compile_raises_and_leaks_nothing(

@@ -174,21 +174,22 @@ class Grammars:
 
 
 def _compile(compiler: Future[_Compiler], spec: StructuredOutput, timed: bool) -> Any:
-    """The grammar of one constraint, and with `timed`, its first mask's time checked. Raises
-    ValueError for a schema keyword xgrammar would compile without holding the output to it,
-    or a first mask past MAX_MATCH_SECONDS."""
+    """The grammar of one constraint, its first mask tried. Raises ValueError for a schema
+    keyword xgrammar would compile without holding the output to it, a grammar that allows no
+    token at all (`root ::= root`), or, with `timed`, a first mask past MAX_MATCH_SECONDS."""
     import xgrammar
 
     grammar = _grammar(compiler.result().compiler, spec)
-    if timed:
-        start = time.perf_counter()
-        mask = xgrammar.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
-        xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
-        if (seconds := time.perf_counter() - start) > MAX_MATCH_SECONDS:
-            raise ValueError(
-                f"invalid structured output: too costly to match (its first token's mask took "
-                f"{seconds:.2f} s, over {MAX_MATCH_SECONDS} s)"
-            )
+    start = time.perf_counter()
+    mask = xgrammar.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
+    xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
+    if timed and (seconds := time.perf_counter() - start) > MAX_MATCH_SECONDS:
+        raise ValueError(
+            f"invalid structured output: too costly to match (its first token's mask took "
+            f"{seconds:.2f} s, over {MAX_MATCH_SECONDS} s)"
+        )
+    if not mask.any():
+        raise ValueError("invalid structured output: it allows no token at all")
     return grammar
 
 
