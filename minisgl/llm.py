@@ -140,9 +140,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
         """One result dict per prompt and choice: prompt by prompt, each prompt's choices (its
-        params' n) in order. Bad input raises ValueError before anything runs; an exception
-        while it runs (Ctrl-C) aborts the requests it added and empties the prefix cache (the
-        step it cut off may have published pages before writing them)."""
+        params' n) in order. Bad input raises ValueError, before anything runs or as a
+        request's grammar fails to go on; an exception while it runs (that one, Ctrl-C) aborts
+        the requests it added and empties the prefix cache (the step it cut off may have
+        published pages before writing them)."""
         prompt_ids = self._tokenize(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = sampling_params or self.get_default_sampling_params()
@@ -168,13 +169,14 @@ class LLM:
         try:
             # the server's way in: every rank applies the same messages in the same step
             out = self._worker.step([add])
-            if not out.errors:  # all the requests or none are added
-                runs = {
-                    rid: _Run(self.tokenizer, prompt, p, arrival)
-                    for prompt, rids, choices in zip(add.prompts, add.rids, add.params, strict=True)
-                    for rid, p in zip(rids, choices, strict=True)
-                }
-                self._run_to_end(out, runs, use_tqdm)
+            if out.errors:  # none was added, or one ended in its first step
+                raise ValueError(out.errors[0].message)
+            runs = {
+                rid: _Run(self.tokenizer, prompt, p, arrival)
+                for prompt, rids, choices in zip(add.prompts, add.rids, add.params, strict=True)
+                for rid, p in zip(rids, choices, strict=True)
+            }
+            self._run_to_end(out, runs, use_tqdm)
         except BaseException:
             # the next call must not run these requests to their end first, nor read the pages
             # of a step that was cut off before it wrote them
@@ -182,8 +184,6 @@ class LLM:
             unfinished = [rid for rid in itertools.chain(*add.rids) if rid not in ended]
             self._worker.step([AbortRequest(unfinished), FlushPrefixCache()])
             raise
-        if out.errors:
-            raise ValueError(out.errors[0].message)
         return [runs[rid].result for rid in itertools.chain(*add.rids)]
 
     def _run_to_end(self, out: StepOutputs, runs: dict[int, "_Run"], use_tqdm: bool) -> None:

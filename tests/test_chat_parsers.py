@@ -87,6 +87,7 @@ def test_a_reply_without_calls_is_its_content_unchanged() -> None:
         '{"name": "f", "arguments": [1]}',
         '{"name": "f", "arguments": "[1]"}',
         '{"name": "f", "arguments": "{oops"}',
+        '{"arguments": {"s": "\\ud83d"}, "name": "f"}',  # a lone surrogate: no reply carries it
         '{"name": "f"',
         '{"a": ' + "[" * 3000 + "]" * 3000 + "}",  # too deep for json.loads
     ],

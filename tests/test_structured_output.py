@@ -142,7 +142,7 @@ def test_json_object_regex_and_choice_hold(server: ServerProcess, qwen3_path: st
         assert c.choices[0].text in choices
 
 
-def test_a_constraint_that_does_not_compile_is_a_400_and_the_server_serves_on(
+def test_a_constraint_refused_or_too_costly_is_a_400_and_the_server_serves_on(
     server: ServerProcess,
 ) -> None:
     client = server.client()
@@ -212,6 +212,7 @@ def test_offline_constrained_batch_is_the_same_with_overlap_on_and_off(
         StructuredOutput(grammar="root ::= undefined_rule"),
         StructuredOutput(json_schema='{"type": "number", "maximum": -1e400}'),
         StructuredOutput(structural_tag="[1]"),  # xgrammar's TypeError before
+        StructuredOutput(json_schema='{"type": "object", "required": [["a"]]}'),
         StructuredOutput(grammar="root ::= root"),  # no token allowed: token 0 came out before
         StructuredOutput(regex="[^\\s\\S]"),
     ],
@@ -252,6 +253,17 @@ def test_a_grammar_too_costly_to_match_is_refused_or_ended_and_the_engine_serves
         )
         with pytest.raises(ValueError, match="too costly to match: a step took over"):
             llm.generate(["a", "b"], [SamplingParams(max_tokens=8), growing], use_tqdm=False)
+        assert llm.generate(["c"], SamplingParams(max_tokens=4), use_tqdm=False)[0]["token_ids"]
+        llm.scheduler.check_integrity()
+        assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
+
+
+def test_a_grammar_that_dead_ends_ends_its_request_in_error(llms: dict[bool, LLM]) -> None:
+    """`ab[^\\s\\S]` allows "a", then "b", then nothing: the sampler gave token 0 after them."""
+    for llm in llms.values():
+        dead_end = SamplingParams(max_tokens=8, structured=StructuredOutput(regex=r"ab[^\s\S]"))
+        with pytest.raises(ValueError, match="allows no next token"):
+            llm.generate(["a", "b"], [SamplingParams(max_tokens=8), dead_end], use_tqdm=False)
         assert llm.generate(["c"], SamplingParams(max_tokens=4), use_tqdm=False)[0]["token_ids"]
         llm.scheduler.check_integrity()
         assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages

@@ -23,8 +23,9 @@ from minisgl.core import StructuredOutput
 
 CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently used dropped first
 COMPILE_THREADS = 4
-# a matcher step (a token's mask, or a token accepted) may take this long; a grammar whose first
-# mask takes longer is refused, a request whose step does is ended: xgrammar matches an
+# a matcher step (a token's mask, or a token accepted) may take this long, in its thread's CPU
+# time (other threads' work, on few cores, adds wall time); a grammar whose first mask takes
+# longer is refused, a request whose step does is ended: xgrammar matches an
 # ambiguous regex or grammar in time that grows with the output (`(([a-z]?){0,40}){0,40}`: 6.4 s
 # for its first mask on a 2-core CPU, a JSON schema's 0.2 ms), and the scheduler's every request
 # waits for its steps
@@ -59,7 +60,7 @@ class Grammars:
         self._matchers: dict[int, Any] = {}
         self._waiting: dict[int, tuple[int, Any]] = {}  # rid -> (start token, matcher)
         self._timed = timed
-        self._too_slow: list[int] = []  # requests whose matcher took a step too long
+        self._failed: list[tuple[int, str]] = []  # (request, why) whose matcher cannot go on
 
     def compile(self, spec: StructuredOutput) -> Future[Any]:
         """The constraint's compiled grammar (whatever token it starts after), compiling it on a
@@ -150,22 +151,27 @@ class Grammars:
                 self._matchers[rid] = matcher
             return False
         matcher = self._matchers[rid]
-        return not self._step(rid, matcher.accept_token, token) or matcher.is_terminated()
+        return not self._timed_call(rid, matcher.accept_token, token) or matcher.is_terminated()
 
     def fill_mask(self, rid: int, bits: np.ndarray, row: int) -> None:
-        self._step(rid, self._matchers[rid].fill_next_token_bitmask, bits, row)
+        self._timed_call(rid, self._matchers[rid].fill_next_token_bitmask, bits, row)
+        if not bits[row].any():  # a grammar that dead-ends (`a[^\s\S]`) after some tokens
+            self._failed.append((rid, "structured output allows no next token"))
 
-    def _step(self, rid: int, call: Callable[..., Any], *args: Any) -> Any:
-        start = time.perf_counter()
+    def _timed_call(self, rid: int, call: Callable[..., Any], *args: Any) -> Any:
+        start = time.thread_time()
         result = call(*args)
-        if self._timed and time.perf_counter() - start > MAX_MATCH_SECONDS:
-            self._too_slow.append(rid)
+        if self._timed and time.thread_time() - start > MAX_MATCH_SECONDS:
+            message = (
+                f"structured output too costly to match: a step took over {MAX_MATCH_SECONDS} s"
+            )
+            self._failed.append((rid, message))
         return result
 
-    def take_too_slow(self) -> list[int]:
-        """The requests whose matcher took a step longer than MAX_MATCH_SECONDS since the last
-        call: they are to be ended."""
-        found, self._too_slow = self._too_slow, []
+    def take_failed(self) -> list[tuple[int, str]]:
+        """The requests whose matcher cannot go on since the last call (a step past
+        MAX_MATCH_SECONDS, no token allowed next), and why: they are to be ended."""
+        found, self._failed = self._failed, []
         return found
 
     def drop(self, rid: int) -> None:
@@ -180,10 +186,10 @@ def _compile(compiler: Future[_Compiler], spec: StructuredOutput, timed: bool) -
     import xgrammar
 
     grammar = _grammar(compiler.result().compiler, spec)
-    start = time.perf_counter()
+    start = time.thread_time()
     mask = xgrammar.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
     xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
-    if timed and (seconds := time.perf_counter() - start) > MAX_MATCH_SECONDS:
+    if timed and (seconds := time.thread_time() - start) > MAX_MATCH_SECONDS:
         raise ValueError(
             f"invalid structured output: too costly to match (its first token's mask took "
             f"{seconds:.2f} s, over {MAX_MATCH_SECONDS} s)"
@@ -272,7 +278,8 @@ def unenforced_keyword(schema: Any, path: str) -> str | None:
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     if isinstance(schema.get("required"), list):
         for name in schema["required"]:
-            if name not in properties:  # then never enforced, nor at times allowed
+            # then never enforced, nor at times allowed (a name that is no string: xgrammar's error)
+            if isinstance(name, str) and name not in properties:
                 return f"{path}/required {json.dumps(name)} outside its properties"
     children = [(f"{path}/{k}", schema[k]) for k in _SUBSCHEMA if k in schema]
     children += [

@@ -33,7 +33,7 @@ from minisgl.messages import Finished, ReqError, StepOutputs, TokenLogprobs
 from minisgl.utils import init_logger
 
 from .batch_builder import build_batch
-from .grammar import MAX_MATCH_SECONDS, Grammars
+from .grammar import Grammars
 from .token_table import TokenTable
 
 logger = init_logger(__name__)
@@ -165,30 +165,28 @@ class Scheduler:
         ):
             done, self._in_flight = self._in_flight, None
         out = self._process(done) if done else StepOutputs()
+        self._end_failed_matchers()  # before their next masks are filled
         self._start_compiled()
         batch = self._schedule()
         launched = None
         if batch is not None:
             self.stats.steps += 1
             launched = _InFlight(batch, self.engine.forward(batch))
+        self._end_failed_matchers()  # a mask of the launched step: its token is not taken
         if not self.config.overlap:
             out = self._process(launched) if launched else out
         else:
             finished_step, self._in_flight = self._in_flight, launched
             out = self._process(finished_step) if finished_step else out
-        self._end_too_slow()
         out.errors, self._errors = self._errors, []
         return out
 
-    def _end_too_slow(self) -> None:
-        """End in error each request whose matcher took a step too long (its Finished is not
-        sent: the error is)."""
-        for rid in self.grammars.take_too_slow():
+    def _end_failed_matchers(self) -> None:
+        """End in error each request whose matcher cannot go on (its Finished is not sent: the
+        error is)."""
+        for rid, message in self.grammars.take_failed():
             if (req := self._reqs.get(rid)) is not None:
                 self._finish(req, "abort", None)
-                message = (
-                    f"structured output too costly to match: a step took over {MAX_MATCH_SECONDS} s"
-                )
                 self._errors.append(ReqError(rid, message))
 
     def _start_compiled(self) -> None:

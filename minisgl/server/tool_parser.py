@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import orjson
+
 from .reasoning import partial_tag_len
 
 _WS = " \t\n\r"
@@ -118,16 +120,16 @@ def call_header(text: str, arg_keys: tuple[str, ...]) -> tuple[str, int] | bool 
 def whole_call(text: str) -> tuple[str, str] | None:
     """The name and the arguments' JSON of a call object in any key order, its arguments an
     object or a string holding one; None when `text` is no such object."""
-    try:
-        call = json.loads(text)
+    try:  # orjson refuses a lone surrogate, which no reply could carry
+        call = orjson.loads(text)
         arguments = call.get("arguments", call.get("parameters", {}))
         if isinstance(arguments, str):
-            arguments = json.loads(arguments)
+            arguments = orjson.loads(arguments)
+        if not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            return None
+        return call["name"], json.dumps(arguments, ensure_ascii=False)
     except (ValueError, AttributeError, RecursionError):  # not JSON, no object, nested too deep
         return None
-    if not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
-        return None
-    return call["name"], json.dumps(arguments, ensure_ascii=False)
 
 
 @dataclass
