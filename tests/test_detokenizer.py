@@ -1,6 +1,8 @@
 """IncrementalDetokenizer: streamed pieces are final text only (no half characters, no text that
 may still become a stop string) and always concatenate to the finished text."""
 
+import random
+
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -235,3 +237,30 @@ def test_a_byte_fallback_run_streams_the_text_the_whole_run_decodes_to() -> None
     ids = tokenizer.convert_tokens_to_ids(["<0x8A>", "<0x41>", "<0x42>", "<0x43>", "<0x44>"])
     pieces, detok = _stream(tokenizer, ids, prompt="Hi")
     assert "".join(pieces) == detok.text == _whole(tokenizer, ids, prompt="Hi") == "\ufffd" * 5
+
+
+def test_byte_fallback_runs_stream_the_whole_decode_and_a_broken_one_goes_out_as_it_comes() -> None:
+    """Runs of byte tokens between words: whole characters, or broken from their first byte
+    (then U+FFFD a byte, whatever follows). The streamed text is the whole sequence's, and no
+    step decodes a broken run again."""
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_PATH))
+    byte = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)]
+    words = tokenizer.encode(" once upon a time", add_special_tokens=False)
+    assert not set(words) & set(byte)
+    rng = random.Random(0)
+    for _ in range(40):
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 5)):
+            ids.append(rng.choice(words))
+            if rng.random() < 0.5:
+                run = [0xFF] + [rng.randrange(256) for _ in range(rng.randint(0, 6))]
+            else:
+                run = list("".join(rng.choices("é中𠀋a", k=rng.randint(1, 3))).encode())
+            ids += [byte[b] for b in run]
+        pieces, detok = _stream(tokenizer, ids, prompt="Hi")
+        assert "".join(pieces) == detok.text == _whole(tokenizer, ids, prompt="Hi"), ids
+    counted = _Counted(tokenizer)
+    ids = [byte[0xFF]] * 300 + words
+    pieces, _ = _stream(counted, ids, prompt="Hi")  # type: ignore[arg-type]
+    assert "".join(pieces) == _whole(tokenizer, ids, prompt="Hi") and all(pieces[1:300])
+    assert counted.most < 16

@@ -9,7 +9,9 @@ first min_tokens tokens does not count (one that only begins there does, as in v
 pieces always concatenate to the final text.
 """
 
+import codecs
 import functools
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -24,6 +26,7 @@ _CONTEXT_TOKENS = 5
 # and every token kept (`_silent_ids`) has a byte at least
 _HELD_TOKENS = 3
 _NO_STOP = SamplingParams()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-F]{2})>")
 
 
 def _bytes_settle(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -42,6 +45,13 @@ def _silent_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[frozenset[int], int
     ids are not kept: a run of them, never released, would be decoded again at every step."""
     special = (i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
     return frozenset(special), len(tokenizer)
+
+
+@functools.cache
+def _fallback_bytes(tokenizer: PreTrainedTokenizerBase) -> dict[int, int]:
+    """ByteFallback's byte tokens (`<0xE4>`), id -> byte."""
+    vocab = tokenizer.get_vocab().items()
+    return {i: int(m[1], 16) for token, i in vocab if (m := _BYTE_TOKEN.fullmatch(token))}
 
 
 class IncrementalDetokenizer:
@@ -68,6 +78,13 @@ class IncrementalDetokenizer:
         self.matched_stop: str | None = None  # the stop string that ended the text
         self._bytes_settle = _bytes_settle(tokenizer)
         self._special_ids, self._known = _silent_ids(tokenizer)
+        # under ByteFallback, the run of byte tokens the kept ids end in (its bytes as UTF-8 so
+        # far), and whether it is broken: then each of its bytes is U+FFFD, whatever follows
+        self._byte_of = {} if self._bytes_settle else _fallback_bytes(tokenizer)
+        self._run = codecs.getincrementaldecoder("utf-8")()
+        self._broken = False
+        for token in self._kept(self._ids):  # a prompt may end inside a run
+            self._track_run(token)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -111,7 +128,8 @@ class IncrementalDetokenizer:
         stop_token = finished and isinstance(finish.matched_stop, int) and not self._include_stop
         new = token_ids[:-1] if stop_token else token_ids
         if new or finished:
-            self._ids.extend(t for t in new if t < self._known and t not in self._special_ids)
+            for token in self._kept(new):
+                self._add(token)
             self._read(final=finished)
         found = self._find_stop() if self.num_tokens > self._min_tokens else None
         self._searched = len(self.text)
@@ -125,6 +143,33 @@ class IncrementalDetokenizer:
         )
         piece, self._released = self.text[self._released : end], end
         return piece, found is not None and not finished
+
+    def _kept(self, ids: Sequence[int]) -> list[int]:
+        return [t for t in ids if t < self._known and t not in self._special_ids]
+
+    def _track_run(self, token: int) -> None:
+        byte = self._byte_of.get(token)
+        if byte is None:  # no byte token: the run ends
+            self._run.reset()
+            self._broken = False
+        elif not self._broken:
+            try:
+                self._run.decode(bytes((byte,)))
+            except UnicodeDecodeError:
+                self._broken = True
+
+    def _add(self, token: int) -> None:
+        """Keep a token to decode. Under ByteFallback, a later byte of a broken run adds its
+        U+FFFD at once, unkept, and the byte that breaks a run releases the text held before
+        it: a run held to its end would be decoded again at every step."""
+        was_broken = self._broken
+        self._track_run(token)
+        if was_broken and self._broken:
+            self.text += "\ufffd"
+            return
+        self._ids.append(token)
+        if self._broken:
+            self._read(final=True)
 
     def _find_stop(self) -> tuple[int, str] | None:
         """Where the stop string that ends first after self._searched begins, and which it is
