@@ -19,7 +19,8 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import StructuredOutput
-from minisgl.scheduler.grammar import Grammars, unenforced_keyword
+from minisgl.scheduler.grammar import Grammars
+from minisgl.scheduler.unenforced import repeats_past_limit, unenforced_keyword
 from minisgl.tokenizer.loader import load_tokenizer
 
 from .conftest import DEVICE
@@ -269,27 +270,48 @@ def test_a_grammar_that_dead_ends_ends_its_request_in_error(llms: dict[bool, LLM
         assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
 
 
-@pytest.mark.parametrize(
-    ("schema", "found"),
-    [
-        ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "#/uniqueItems"),
-        ({"type": "number", "multipleOf": 0.5}, "#/multipleOf"),
-        ({"properties": {"a": {"not": {"type": "string"}}}}, "#/properties/a/not"),
-        ({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "a+", "maxLength": 3}]},
-         "#/anyOf/1/pattern with minLength or maxLength"),
-        ({"$defs": {"A": {"if": {"type": "integer"}}}, "$ref": "#/$defs/A"}, "#/$defs/A/if"),
-        ({"items": {"$ref": "https://example.com/a.json"}}, "#/items/$ref to another document"),
-        ({"properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, "#/dependentRequired"),
-        # xgrammar 0.2.9 lets any value through these (and refuses {"a": 1} for the second)
-        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "#/allOf of more than one schema"),
-        ({"type": "object", "properties": {"b": {}}, "required": ["a"],
-          "additionalProperties": True}, '#/required "a" outside its properties'),
-        ({"type": "array", "items": {"type": "object", "required": ["a"]}},
-         '#/items/required "a" outside its properties'),
-    ],
-)  # fmt: skip
-def test_schema_keywords_xgrammar_would_not_enforce_are_refused(
-    llms: dict[bool, LLM], schema: dict, found: str
+# each with an output that xgrammar 0.2.9's grammar judges the other way (valid: the schema's verdict)
+REFUSED = [
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "#/uniqueItems",
+     ["a", "a"], False),
+    ({"type": "number", "multipleOf": 0.5}, "#/multipleOf", 0.3, False),
+    ({"properties": {"a": {"not": {"type": "string"}}}}, "#/properties/a/not", {"a": "x"}, False),
+    ({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "a+", "maxLength": 3}]},
+     "#/anyOf/1/pattern with minLength or maxLength", "aaaa", False),
+    ({"$defs": {"A": {"if": {"type": "integer"}, "then": {"minimum": 5}}}, "$ref": "#/$defs/A"},
+     "#/$defs/A/if", 3, False),
+    ({"properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, "#/dependentRequired",
+     {"a": 1}, False),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "#/allOf of more than one schema",
+     "a", False),
+    ({"type": "object", "properties": {"b": {}}, "required": ["a"],
+      "additionalProperties": True}, '#/required "a" outside its properties', {"b": 1}, False),
+    ({"type": "array", "items": {"type": "object", "required": ["a"]}},
+     '#/items/required "a" outside its properties', [{}], False),
+    # keywords beside a combining one are dropped
+    ({"type": "string", "maxLength": 2, "anyOf": [{"type": "string"}]}, "#/anyOf beside type",
+     "abc", False),
+    ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "minimum": 5},
+     "#/$ref beside minimum", 3, False),
+    ({"anyOf": [{"type": "string"}], "oneOf": [{"type": "integer"}]}, "#/anyOf beside oneOf",
+     "a", False),
+    # an enum's or a const's values are written whatever the keywords beside them say
+    ({"type": "integer", "enum": [1, 1.5]}, '#/enum value 1.5 is not of type "integer"', 1.5,
+     False),
+    ({"type": "string", "const": "abc", "pattern": "^x"}, "#/const beside pattern", "abc", False),
+    # a keyword of one type's values is dropped where no type is named
+    ({"type": "object", "properties": {"a": {"maxLength": 2}}, "required": ["a"]},
+     "#/properties/a/maxLength without a type", {"a": "abc"}, False),
+    # counts are read modulo 2^32
+    ({"type": "array", "maxItems": 2**32 + 1}, "#/maxItems past 2147483647", [1, 2], True),
+    ({"type": "string", "pattern": "^a{4294967297}$"},
+     "#/pattern: a repetition count past 2147483647", "a", False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "found", "witness", "valid"), REFUSED)
+def test_schemas_xgrammar_would_not_enforce_are_refused(
+    llms: dict[bool, LLM], schema: dict, found: str, witness: object, valid: bool
 ) -> None:
     """Refused, not compiled into a grammar that lets outputs break them."""
     params = SamplingParams(max_tokens=5, structured=StructuredOutput(json_schema=schema))
@@ -297,8 +319,53 @@ def test_schema_keywords_xgrammar_would_not_enforce_are_refused(
         llms[True].generate(["a"], params, use_tqdm=False)
 
 
+@pytest.mark.parametrize(("schema", "found", "witness", "valid"), REFUSED)
+def test_each_refused_schema_is_one_xgrammar_gets_wrong(
+    schema: dict, found: str, witness: object, valid: bool
+) -> None:
+    """The witness shows why (and fails here once an xgrammar enforces the schema)."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    if "pattern" not in json.dumps(schema):  # Python's re refuses counts past 2^32 - 1
+        assert jsonschema.Draft202012Validator(schema).is_valid(witness) == valid
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _is_grammar_accept_string(grammar, json.dumps(witness)) != valid
+
+
+@pytest.mark.parametrize(
+    ("constraint", "text"),
+    [
+        ("regex", "(ab){4294967297}"),
+        ("regex", "a{0,99999999999999999999}"),
+        ("grammar", 'root ::= "a"{4294967297}'),
+        ("structural_tag", json.dumps({"type": "structural_tag",
+                                       "format": {"type": "regex", "pattern": "a{2,4294967297}"}})),
+    ],
+)  # fmt: skip
+def test_repetition_counts_xgrammar_reads_modulo_2_32_are_refused(
+    llms: dict[bool, LLM], constraint: str, text: str
+) -> None:
+    params = SamplingParams(max_tokens=5, structured=StructuredOutput(**{constraint: text}))
+    with pytest.raises(ValueError, match="a repetition count past 2147483647"):
+        llms[True].generate(["a"], params, use_tqdm=False)
+
+
+def test_repetition_counts_in_classes_strings_and_comments_are_text() -> None:
+    huge = "{99999999999}"
+    for regex in (f"[a{huge}]", "a\\" + huge, "a{2,}b{3}"):
+        assert not repeats_past_limit(regex), regex
+    for grammar in (f'root ::= "{huge}"', f"root ::= [a{huge}]", f'root ::= "a" # {huge}\n'):
+        assert not repeats_past_limit(grammar, ebnf=True), grammar
+    assert repeats_past_limit(f"a{huge}")
+    assert repeats_past_limit(f'"{huge}"')  # a regex's quote is a character
+    assert repeats_past_limit(f'root ::= "{huge}" # x\n  "a"{huge}', ebnf=True)
+    assert repeats_past_limit("a{" + "9" * 5000 + "}")  # past int()'s limit on digits
+
+
 def test_schemas_xgrammar_enforces_compile() -> None:
-    """Keywords by those names where they are no keywords, and the forms xgrammar does hold."""
+    """Keywords by those names where they are no keywords, and the forms xgrammar does hold
+    (pydantic's among them)."""
     schemas = [
         {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}},
          "required": ["not"]},
@@ -307,6 +374,13 @@ def test_schemas_xgrammar_enforces_compile() -> None:
         {"type": "string", "minLength": 1, "maxLength": 4},
         {"$defs": {"A": {"type": "integer"}}, "allOf": [{"$ref": "#/$defs/A"}]},
         {"type": "array", "items": {"type": "string"}, "uniqueItems": False},
+        {"type": "string", "enum": ["a", "b"], "title": "Letter"},
+        {"const": 2.0, "type": "integer"},
+        {"type": ["string", "null"], "enum": ["a", None]},
+        {"anyOf": [{"type": "integer", "minimum": 5}, {"type": "null"}], "default": None},
+        {"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "description": "an A"},
+        {"type": "array", "maxItems": 2**31 - 1},
+        {"type": "string", "pattern": "^a{2147483647}$"},
     ]  # fmt: skip
     for schema in schemas:
         assert unenforced_keyword(schema, "#") is None, schema

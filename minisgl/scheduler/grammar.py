@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from minisgl.core import StructuredOutput
+from minisgl.scheduler.unenforced import MAX_COUNT, repeats_past_limit, unenforced_keyword
 
 CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently used dropped first
 COMPILE_THREADS = 4
@@ -208,11 +209,12 @@ def _grammar(c: Any, spec: StructuredOutput) -> Any:
             schemas = [json.loads(spec.json_schema)]
         except json.JSONDecodeError:  # xgrammar names the error
             schemas = []
-        _refuse_unenforced(schemas)
+        _refuse_unenforced(schemas, [], [])
         return c.compile_json_schema(spec.json_schema, any_whitespace=False)
     if spec.json_object:  # not strict: an object may have any properties
         return c.compile_json_schema(_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
     if spec.regex is not None:
+        _refuse_unenforced([], [spec.regex], [])
         return c.compile_regex(spec.regex)
     if spec.choice is not None:
         alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
@@ -221,79 +223,33 @@ def _grammar(c: Any, spec: StructuredOutput) -> Any:
         tag = json.loads(spec.structural_tag)
         if not isinstance(tag, dict):  # xgrammar's TypeError otherwise
             raise ValueError("invalid structured output: a structural tag is a JSON object")
-        _refuse_unenforced(_tag_schemas(tag))
+        _refuse_unenforced(
+            _tag_parts(tag, "json_schema", "json_schema"),
+            _tag_parts(tag, "regex", "pattern"),
+            _tag_parts(tag, "grammar", "grammar"),
+        )
         return c.compile_structural_tag(tag)
+    _refuse_unenforced([], [], [spec.grammar])
     return c.compile_grammar(spec.grammar)
 
 
-def _refuse_unenforced(schemas: list[Any]) -> None:
-    """Raise ValueError for a schema with a keyword xgrammar would not enforce."""
+def _refuse_unenforced(schemas: list[Any], regexes: list[Any], grammars: list[Any]) -> None:
+    """Raise ValueError for a constraint xgrammar would not hold the output to."""
     for schema in schemas:
         if (found := unenforced_keyword(schema, "#")) is not None:
             raise ValueError(f"invalid structured output: {found} is not supported")
+    texts = [(r, False) for r in regexes] + [(g, True) for g in grammars]
+    if any(isinstance(t, str) and repeats_past_limit(t, ebnf) for t, ebnf in texts):
+        raise ValueError(f"invalid structured output: a repetition count past {MAX_COUNT}")
 
 
-def _tag_schemas(node: Any) -> list[Any]:
-    """The JSON schemas a structural tag holds text to."""
+def _tag_parts(node: Any, kind: str, field: str) -> list[Any]:
+    """The `field` of each part of a structural tag of type `kind` (json_schema's json_schema, a
+    regex's pattern, a grammar's grammar)."""
     if isinstance(node, list):
-        return [s for item in node for s in _tag_schemas(item)]
+        return [s for item in node for s in _tag_parts(item, kind, field)]
     if not isinstance(node, dict):
         return []
-    if node.get("type") == "json_schema":
-        return [node.get("json_schema")]
-    return [s for value in node.values() for s in _tag_schemas(value)]
-
-
-# schema keywords xgrammar 0.2.9 compiles but does not hold the output to (each checked with a
-# string that breaks it); vLLM's xgrammar backend refuses such schemas too
-_UNENFORCED = (
-    "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "dependentRequired",
-    "dependentSchemas", "dependencies",
-)  # fmt: skip
-# keywords whose value is a schema, a list of schemas, or a map of names to schemas
-_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains")
-_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def unenforced_keyword(schema: Any, path: str) -> str | None:
-    """The first keyword of a JSON schema (as `path/keyword`) that xgrammar would not enforce;
-    None if there is none. The schema's nesting is bounded (MAX_SCHEMA_DEPTH)."""
-    if not isinstance(schema, dict):
-        return None
-    for keyword in _UNENFORCED:
-        if keyword in schema and schema[keyword] is not False:
-            return f"{path}/{keyword}"
-    if "multipleOf" in schema and not (
-        schema.get("type") == "integer" and isinstance(schema["multipleOf"], int)
-    ):
-        return f"{path}/multipleOf (on other than an integer's)"
-    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
-        return f"{path}/pattern with minLength or maxLength"
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        return f"{path}/$ref to another document"
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return f"{path}/allOf of more than one schema"
-    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    if isinstance(schema.get("required"), list):
-        for name in schema["required"]:
-            # then never enforced, nor at times allowed (a name that is no string: xgrammar's error)
-            if isinstance(name, str) and name not in properties:
-                return f"{path}/required {json.dumps(name)} outside its properties"
-    children = [(f"{path}/{k}", schema[k]) for k in _SUBSCHEMA if k in schema]
-    children += [
-        (f"{path}/{k}/{i}", sub)
-        for k in _SUBSCHEMAS
-        if isinstance(schema.get(k), list)
-        for i, sub in enumerate(schema[k])
-    ]
-    children += [
-        (f"{path}/{k}/{name}", sub)
-        for k in _SCHEMA_MAPS
-        if isinstance(schema.get(k), dict)
-        for name, sub in schema[k].items()
-    ]
-    if isinstance(schema.get("items"), list):  # draft 7's tuple form
-        children += [(f"{path}/items/{i}", sub) for i, sub in enumerate(schema["items"])]
-    return next((found for p, sub in children if (found := unenforced_keyword(sub, p))), None)
+    if node.get("type") == kind:
+        return [node.get(field)]
+    return [s for value in node.values() for s in _tag_parts(value, kind, field)]

@@ -552,6 +552,7 @@ class ChatCompletionRequest(_GenerateRequest):
                         raise ApiError(400, f"tools define {key}/{name} differently", param="tools")
             calls.append(
                 {
+                    "type": "object",
                     "properties": {
                         "name": {"type": "string", "enum": [t.function.name]},
                         "parameters": parameters,
@@ -560,6 +561,6 @@ class ChatCompletionRequest(_GenerateRequest):
                     "additionalProperties": False,
                 }
             )
-        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         schema |= {key: found for key, found in definitions.items() if found}
         return schema if self.parallel else {**schema, "maxItems": 1}
