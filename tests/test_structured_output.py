@@ -270,48 +270,85 @@ def test_a_grammar_that_dead_ends_ends_its_request_in_error(llms: dict[bool, LLM
         assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
 
 
-# each with an output that xgrammar 0.2.9's grammar judges the other way (valid: the schema's verdict)
+# each with an output text that xgrammar 0.2.9's grammar judges the other way (valid: it is JSON
+# and the schema holds)
 REFUSED = [
     ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "#/uniqueItems",
-     ["a", "a"], False),
-    ({"type": "number", "multipleOf": 0.5}, "#/multipleOf", 0.3, False),
-    ({"properties": {"a": {"not": {"type": "string"}}}}, "#/properties/a/not", {"a": "x"}, False),
+     '["a", "a"]', False),
+    ({"type": "number", "multipleOf": 0.5}, "#/multipleOf", "0.3", False),
+    ({"properties": {"a": {"not": {"type": "string"}}}}, "#/properties/a/not", '{"a": "x"}',
+     False),
     ({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "a+", "maxLength": 3}]},
-     "#/anyOf/1/pattern with minLength or maxLength", "aaaa", False),
+     "#/anyOf/1/pattern with minLength or maxLength", '"aaaa"', False),
     ({"$defs": {"A": {"if": {"type": "integer"}, "then": {"minimum": 5}}}, "$ref": "#/$defs/A"},
-     "#/$defs/A/if", 3, False),
+     "#/$defs/A/if", "3", False),
     ({"properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, "#/dependentRequired",
-     {"a": 1}, False),
+     '{"a": 1}', False),
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "#/allOf of more than one schema",
-     "a", False),
+     '"a"', False),
     ({"type": "object", "properties": {"b": {}}, "required": ["a"],
-      "additionalProperties": True}, '#/required "a" outside its properties', {"b": 1}, False),
+      "additionalProperties": True}, '#/required "a" outside its properties', '{"b": 1}', False),
     ({"type": "array", "items": {"type": "object", "required": ["a"]}},
-     '#/items/required "a" outside its properties', [{}], False),
+     '#/items/required "a" outside its properties', "[{}]", False),
     # keywords beside a combining one are dropped
     ({"type": "string", "maxLength": 2, "anyOf": [{"type": "string"}]}, "#/anyOf beside type",
-     "abc", False),
+     '"abc"', False),
     ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "minimum": 5},
-     "#/$ref beside minimum", 3, False),
+     "#/$ref beside minimum", "3", False),
     ({"anyOf": [{"type": "string"}], "oneOf": [{"type": "integer"}]}, "#/anyOf beside oneOf",
-     "a", False),
+     '"a"', False),
     # an enum's or a const's values are written whatever the keywords beside them say
-    ({"type": "integer", "enum": [1, 1.5]}, '#/enum value 1.5 is not of type "integer"', 1.5,
+    ({"type": "integer", "enum": [1, 1.5]}, '#/enum value 1.5 is not of type "integer"', "1.5",
      False),
-    ({"type": "string", "const": "abc", "pattern": "^x"}, "#/const beside pattern", "abc", False),
+    ({"type": "string", "const": "abc", "pattern": "^x"}, "#/const beside pattern", '"abc"',
+     False),
+    ({"enum": [12345678901234567890123]}, "#/enum with an integer past 64 bits",
+     "1.2345678901234568e+22", False),
     # a keyword of one type's values is dropped where no type is named
     ({"type": "object", "properties": {"a": {"maxLength": 2}}, "required": ["a"]},
-     "#/properties/a/maxLength without a type", {"a": "abc"}, False),
+     "#/properties/a/maxLength without a type", '{"a": "abc"}', False),
+    ({"type": []}, "#/type naming no type", "1", False),
     # counts are read modulo 2^32
-    ({"type": "array", "maxItems": 2**32 + 1}, "#/maxItems past 2147483647", [1, 2], True),
+    ({"type": "array", "maxItems": 2**32 + 1}, "#/maxItems past 2147483647", "[1, 2]", True),
     ({"type": "string", "pattern": "^a{4294967297}$"},
-     "#/pattern: a repetition count past 2147483647", "a", False),
+     "#/pattern: a repetition count past 2147483647", '"a"', False),
+    # an integer's multipleOf is dropped past 1024, with one bound, or over 10,000 integers
+    ({"type": "integer", "multipleOf": 2000}, "#/multipleOf past 1024", "3", False),
+    ({"type": "integer", "multipleOf": 5, "minimum": 0},
+     "#/multipleOf with a bound on one side only", "3", False),
+    ({"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 10000},
+     "#/multipleOf within bounds spanning over 10000 integers", "3", False),
+    # a format wins over lengths and patterns
+    ({"type": "string", "format": "date", "maxLength": 3}, "#/format beside maxLength",
+     '"2020-01-01"', False),
+    # a pattern is matched against the string as JSON writes it
+    ({"type": "string", "pattern": "^\\x22$"}, '#/pattern: the escape "\\\\x"', '"""', False),
+    ({"type": "string", "pattern": "^\u00e9[^x]*$"}, '#/pattern: the character "\\u00e9"',
+     '"\u00e9a"b"', False),
+    # names: a pattern's schema loses to a property's, an escaped name passes as another
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "patternProperties": {"^[a-z]$": {"type": "string"}}}, "#/patternProperties",
+     '{"a": "x"}', False),
+    ({"type": "object", "properties": {"abc": {"type": "integer"}},
+      "propertyNames": {"type": "string", "maxLength": 2}}, "#/propertyNames", '{"abc": 1}',
+     False),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+     "#/minProperties where other properties are allowed", '{"a": 1, "a": 2}', False),
+    # references xgrammar resolves to another schema, or to any value
+    ({"$ref": "#foo", "$defs": {"x": {"$anchor": "foo", "type": "integer"}}},
+     "#/$ref to other than a JSON pointer in this document", '"x"', False),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$dynamicRef": "#/$defs/b"}, "b": {"type": "integer"}}},
+     "#/$defs/a/$dynamicRef", '"x"', False),
+    ({"$ref": "#/$defs/x", "$defs": {"x": {"$id": "http://e/x", "$ref": "#/$defs/y",
+                                           "$defs": {"y": {"type": "string"}}},
+                                     "y": {"type": "integer"}}},
+     "#/$defs/x/$id below the root", "1", False),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("schema", "found", "witness", "valid"), REFUSED)
+@pytest.mark.parametrize(("schema", "found", "text", "valid"), REFUSED)
 def test_schemas_xgrammar_would_not_enforce_are_refused(
-    llms: dict[bool, LLM], schema: dict, found: str, witness: object, valid: bool
+    llms: dict[bool, LLM], schema: dict, found: str, text: str, valid: bool
 ) -> None:
     """Refused, not compiled into a grammar that lets outputs break them."""
     params = SamplingParams(max_tokens=5, structured=StructuredOutput(json_schema=schema))
@@ -319,18 +356,23 @@ def test_schemas_xgrammar_would_not_enforce_are_refused(
         llms[True].generate(["a"], params, use_tqdm=False)
 
 
-@pytest.mark.parametrize(("schema", "found", "witness", "valid"), REFUSED)
+@pytest.mark.parametrize(("schema", "found", "text", "valid"), REFUSED)
 def test_each_refused_schema_is_one_xgrammar_gets_wrong(
-    schema: dict, found: str, witness: object, valid: bool
+    schema: dict, found: str, text: str, valid: bool
 ) -> None:
-    """The witness shows why (and fails here once an xgrammar enforces the schema)."""
+    """The text shows why (and fails here once an xgrammar enforces the schema)."""
     import xgrammar
     from xgrammar.testing import _is_grammar_accept_string
 
-    if "pattern" not in json.dumps(schema):  # Python's re refuses counts past 2^32 - 1
-        assert jsonschema.Draft202012Validator(schema).is_valid(witness) == valid
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        assert not valid
+    else:  # Python's re refuses counts past 2^32 - 1
+        if "{4294967297}" not in json.dumps(schema):
+            assert jsonschema.Draft202012Validator(schema).is_valid(value) == valid
     grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    assert _is_grammar_accept_string(grammar, json.dumps(witness)) != valid
+    assert _is_grammar_accept_string(grammar, text) != valid
 
 
 @pytest.mark.parametrize(
@@ -381,6 +423,11 @@ def test_schemas_xgrammar_enforces_compile() -> None:
         {"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "description": "an A"},
         {"type": "array", "maxItems": 2**31 - 1},
         {"type": "string", "pattern": "^a{2147483647}$"},
+        {"type": "string", "pattern": "^\\d{3}-[a-z]+\\.[^\\s]$"},
+        {"type": "string", "format": "date"},
+        {"type": "integer", "multipleOf": 1024},
+        {"type": "integer", "multipleOf": 5, "exclusiveMinimum": 0, "exclusiveMaximum": 10001},
+        {"$id": "https://example.com/s", "$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A"},
     ]  # fmt: skip
     for schema in schemas:
         assert unenforced_keyword(schema, "#") is None, schema

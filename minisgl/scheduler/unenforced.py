@@ -4,15 +4,19 @@ constraint is refused (a ValueError, a 400 to a client), as vLLM's xgrammar back
 
 import json
 import re
+import string
 from typing import Any
 
 # xgrammar reads a larger count modulo 2^32: `a{4294967297}` matches "a", maxItems 2^32+1 allows 0
 MAX_COUNT = 2**31 - 1
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
-# keywords xgrammar compiles but never enforces; vLLM's xgrammar backend refuses them too
+# keywords xgrammar compiles but does not enforce (vLLM's xgrammar backend refuses most of them);
+# patternProperties and propertyNames are dropped where no type is named, beside properties, or
+# where two patterns match one name
 _NEVER = (
     "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "dependentRequired",
-    "dependentSchemas", "dependencies",
+    "dependentSchemas", "dependencies", "patternProperties", "propertyNames", "$dynamicRef",
+    "$recursiveRef",
 )  # fmt: skip
 # a keyword that holds its type's values, dropped where a schema names no type
 _OF_ONE_TYPE = (
@@ -21,23 +25,30 @@ _OF_ONE_TYPE = (
 )  # fmt: skip
 _HOLDING = (
     "type", "enum", "const", "properties", "required", "additionalProperties",
-    "patternProperties", "propertyNames", "unevaluatedProperties", "items", "prefixItems",
-    "unevaluatedItems", *_OF_ONE_TYPE,
+    "unevaluatedProperties", "items", "prefixItems", "unevaluatedItems", *_OF_ONE_TYPE,
 )  # fmt: skip
 # a schema's value is one of these, or another schema's: keywords beside one are dropped
 _COMBINING = ("anyOf", "oneOf", "allOf", "$ref")
 # keywords whose value is a schema, a list of schemas, or a map of names to schemas
 _SUBSCHEMA = (
-    "additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
-    "unevaluatedProperties", "unevaluatedItems",
+    "additionalProperties", "items", "then", "else", "unevaluatedProperties", "unevaluatedItems",
 )  # fmt: skip
 _SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
     "null": (type(None),), "array": (list,), "object": (dict,),
 }  # fmt: skip
+# an integer's multipleOf holds up to this step, and within bounds only on both sides, spanning
+# at most _MULTIPLE_SPAN integers; elsewhere xgrammar drops it (with a warning)
+_MULTIPLE_STEP = 1024
+_MULTIPLE_SPAN = 10_000
+_INT64 = 2**63
 _REPETITION = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+# escapes a JSON string's pattern may hold: xgrammar matches a pattern against the string as
+# written in JSON, so one that names a quote, a backslash or a control character (`\x22`, `\n`)
+# lets through what is no JSON, and one with a character past ASCII drops its exclusion of them
+_SAFE_ESCAPES = frozenset("dDwWsSbB" + "".join(c for c in string.punctuation if c not in '"\\'))
 
 
 def unenforced_keyword(schema: Any, path: str) -> str | None:
@@ -45,9 +56,11 @@ def unenforced_keyword(schema: Any, path: str) -> str | None:
     why; None if there is none. The schema's nesting is bounded (MAX_SCHEMA_DEPTH)."""
     if not isinstance(schema, dict):
         return None
-    found = _unenforced_here(schema, path)
-    if found is not None:
-        return found
+    if "$id" in schema and path != "#":  # xgrammar resolves references from the root's base
+        return f"{path}/$id below the root"
+    checks = (_combined, _unenforced_values, _of_strings, _of_numbers, _of_containers)
+    if (found := next((f for check in checks if (f := check(schema))), None)) is not None:
+        return f"{path}/{found}"
     children = [(f"{path}/{k}", schema[k]) for k in _SUBSCHEMA if k in schema]
     children += [
         (f"{path}/{k}/{i}", sub)
@@ -64,67 +77,135 @@ def unenforced_keyword(schema: Any, path: str) -> str | None:
     return next((found for p, sub in children if (found := unenforced_keyword(sub, p))), None)
 
 
-def _unenforced_here(schema: dict[str, Any], path: str) -> str | None:
-    """As unenforced_keyword, for the schema's own keywords (not its subschemas')."""
+def _combined(schema: dict[str, Any]) -> str | None:
+    """Keywords xgrammar never holds, or drops beside others; references it resolves wrongly."""
     if never := next((k for k in _NEVER if k in schema and schema[k] is not False), None):
-        return f"{path}/{never}"
+        return never
     holding = [k for k in _HOLDING if k in schema]
     combining = [k for k in _COMBINING if k in schema]
     if len(combining) > 1 or (combining and holding):
-        return f"{path}/{combining[0]} beside {(combining[1:] + holding)[0]}"
-    for key in ("enum", "const"):
-        if key in schema and (found := _unenforced_values(schema, key, holding)) is not None:
-            return f"{path}/{key} {found}"
+        return f"{combining[0]} beside {(combining[1:] + holding)[0]}"
     if "type" not in schema and (untyped := [k for k in _OF_ONE_TYPE if k in schema]):
-        return f"{path}/{untyped[0]} without a type"
+        return f"{untyped[0]} without a type"
+    if schema.get("type") == []:
+        return "type naming no type"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "allOf of more than one schema"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return "$ref to other than a JSON pointer in this document"
+    return None
+
+
+def _unenforced_values(schema: dict[str, Any]) -> str | None:
+    """Why the values of `enum` or `const` would go out unchecked against the other keywords
+    (xgrammar writes any of them): they are checked against `type` here, and refused beside any
+    other; integers past 64 bits become doubles."""
+    for key in ("enum", "const"):
+        if key not in schema:
+            continue
+        if beside := [k for k in _HOLDING if k in schema and k not in (key, "type")]:
+            return f"{key} beside {beside[0]}"
+        values = [schema["const"]] if key == "const" else schema["enum"]
+        if not isinstance(values, list):
+            return None  # xgrammar refuses it
+        if any(_has_big_int(value) for value in values):
+            return f"{key} with an integer past 64 bits"
+        named = schema.get("type")
+        types = [named] if isinstance(named, str) else named
+        if not isinstance(types, list) or not all(t in _JSON_TYPES for t in types):
+            continue  # no type, or one xgrammar refuses itself
+        for value in values:
+            if not any(_of_type(value, t) for t in types):
+                return f"{key} value {json.dumps(value)} is not of type {json.dumps(named)}"
+    return None
+
+
+def _of_strings(schema: dict[str, Any]) -> str | None:
+    beside_format = [k for k in ("pattern", "minLength", "maxLength") if k in schema]
+    if "format" in schema and beside_format:
+        return f"format beside {beside_format[0]}"
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        return "pattern with minLength or maxLength"
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        if repeats_past_limit(pattern):
+            return f"pattern: a repetition count past {MAX_COUNT}"
+        if (found := _unsafe_in_pattern(pattern)) is not None:
+            return f"pattern: {found} in a JSON string's pattern"
+    return None
+
+
+def _of_numbers(schema: dict[str, Any]) -> str | None:
+    if "multipleOf" not in schema:
+        return None
+    step = schema["multipleOf"]
+    if not (schema.get("type") == "integer" and isinstance(step, int)):
+        return "multipleOf (on other than an integer's)"
+    if step > _MULTIPLE_STEP:
+        return f"multipleOf past {_MULTIPLE_STEP}"
+    low = _bound(schema, "minimum", "exclusiveMinimum", 1)
+    high = _bound(schema, "maximum", "exclusiveMaximum", -1)
+    if (low is None) != (high is None):
+        return "multipleOf with a bound on one side only"
+    if low is not None and high is not None and high - low + 1 > _MULTIPLE_SPAN:
+        return f"multipleOf within bounds spanning over {_MULTIPLE_SPAN} integers"
+    return None
+
+
+def _of_containers(schema: dict[str, Any]) -> str | None:
     for key in _COUNTS:
         count = schema.get(key)
         if isinstance(count, int) and count > MAX_COUNT:
-            return f"{path}/{key} past {MAX_COUNT}"
-    patterns = [("pattern", schema.get("pattern"))]
-    if isinstance(schema.get("patternProperties"), dict):
-        patterns += [(f"patternProperties {json.dumps(p)}", p) for p in schema["patternProperties"]]
-    for key, pattern in patterns:
-        if isinstance(pattern, str) and repeats_past_limit(pattern):
-            return f"{path}/{key}: a repetition count past {MAX_COUNT}"
-    if "multipleOf" in schema and not (
-        schema.get("type") == "integer" and isinstance(schema["multipleOf"], int)
+            return f"{key} past {MAX_COUNT}"
+    # a name written twice counts twice
+    if "minProperties" in schema and any(
+        schema.get(k, False) is not False for k in ("additionalProperties", "unevaluatedProperties")
     ):
-        return f"{path}/multipleOf (on other than an integer's)"
-    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
-        return f"{path}/pattern with minLength or maxLength"
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        return f"{path}/$ref to another document"
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return f"{path}/allOf of more than one schema"
+        return "minProperties where other properties are allowed"
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     if isinstance(schema.get("required"), list):
         for name in schema["required"]:
             # then never enforced, nor at times allowed (a name that is no string: xgrammar's error)
             if isinstance(name, str) and name not in properties:
-                return f"{path}/required {json.dumps(name)} outside its properties"
+                return f"required {json.dumps(name)} outside its properties"
     return None
 
 
-def _unenforced_values(schema: dict[str, Any], key: str, holding: list[str]) -> str | None:
-    """Why the values of `enum` or `const` would go out unchecked against the other keywords
-    (xgrammar writes any of them): they are checked against `type` here, and refused beside any
-    other; None if they hold."""
-    beside = [k for k in holding if k not in (key, "type")]
-    if beside:
-        return f"beside {beside[0]}"
-    named = schema.get("type")
-    types = [named] if isinstance(named, str) else named
-    if not isinstance(types, list) or not all(t in _JSON_TYPES for t in types):
-        return None  # no type, or one xgrammar refuses itself
-    values = [schema["const"]] if key == "const" else schema["enum"]
-    if not isinstance(values, list):
-        return None  # xgrammar refuses it
-    for value in values:
-        if not any(_of_type(value, t) for t in types):
-            return f"value {json.dumps(value)} is not of type {json.dumps(named)}"
+def _bound(schema: dict[str, Any], inclusive: str, exclusive: str, inward: int) -> float | None:
+    """The integers' bound on one side (the tighter if both keywords are there); None if none."""
+    bounds = [schema[inclusive]] if isinstance(schema.get(inclusive), (int, float)) else []
+    if isinstance(schema.get(exclusive), (int, float)):
+        bounds.append(schema[exclusive] + inward)
+    if not bounds:
+        return None
+    return max(bounds) if inward > 0 else min(bounds)
+
+
+def _unsafe_in_pattern(pattern: str) -> str | None:
+    """A character or escape of a pattern that names what JSON writes escaped, or is past ASCII;
+    None if there is none."""
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            escaped = pattern[i + 1 : i + 2]
+            if escaped not in _SAFE_ESCAPES:
+                return f"the escape {json.dumps(chr(92) + escaped)}"
+            i += 2
+            continue
+        if char == '"' or not " " <= char <= "~":
+            return f"the character {json.dumps(char)}"
+        i += 1
     return None
+
+
+def _has_big_int(value: Any) -> bool:
+    if isinstance(value, list):
+        return any(_has_big_int(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_big_int(v) for v in value.values())
+    return isinstance(value, int) and not -_INT64 <= value < _INT64
 
 
 def _of_type(value: Any, name: str) -> bool:
