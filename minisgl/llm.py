@@ -10,7 +10,7 @@ import itertools
 import operator
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from types import TracebackType
@@ -106,18 +106,22 @@ class LLM:
         self.close()
 
     def _tokenize(self, prompts: str | Sequence[Prompt]) -> list[list[int]]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        elif isinstance(prompts, Iterable):  # a generator's items are read once
+            prompts = list(prompts)
+        else:
+            raise ValueError(
+                f"prompts are a prompt or a list of them, not {type(prompts).__name__}"
+            )
         if prompts and all(isinstance(p, int) for p in prompts):
             raise ValueError("pass token ids as a list of lists: [[id, id, ...], ...]")
-        if isinstance(prompts, dict):
-            prompts = [prompts]
         out = []
         for p in prompts:
             if isinstance(p, dict):
                 p = _prompt_of(p)
             if isinstance(p, str):
-                out.append(self.tokenizer.encode(p))
+                out.append(prompt_ids(self.tokenizer, p))
             elif isinstance(p, (list, tuple)):
                 out.append(_token_ids(p))
             else:
@@ -144,22 +148,22 @@ class LLM:
         request's grammar fails to go on; an exception while it runs (that one, Ctrl-C) aborts
         the requests it added and empties the prefix cache (the step it cut off may have
         published pages before writing them)."""
-        prompt_ids = self._tokenize(prompts)
+        tokenized = self._tokenize(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = sampling_params or self.get_default_sampling_params()
-            prompt_params = [params] * len(prompt_ids)
+            prompt_params = [params] * len(tokenized)
         else:
             if not isinstance(sampling_params, (list, tuple)):
                 raise ValueError("sampling_params must be a SamplingParams or a list of them")
             prompt_params = list(sampling_params)
-            if len(prompt_params) != len(prompt_ids):
+            if len(prompt_params) != len(tokenized):
                 raise ValueError(
-                    f"{len(prompt_params)} sampling params for {len(prompt_ids)} prompts"
+                    f"{len(prompt_params)} sampling params for {len(tokenized)} prompts"
                 )
         if not all(isinstance(p, SamplingParams) for p in prompt_params):
             raise ValueError("sampling_params must be a SamplingParams or a list of them")
         add = AddRequests([], [], [])
-        for prompt, p in zip(prompt_ids, prompt_params, strict=True):
+        for prompt, p in zip(tokenized, prompt_params, strict=True):
             choices = choice_params(p, p.n)
             add.prompts.append(prompt)
             add.rids.append([next(self._rids) for _ in choices])
@@ -340,8 +344,14 @@ def _token_ids(ids: Sequence[Any]) -> list[int]:
 def _prompt_of(prompt: dict[str, Any]) -> str | list[int]:
     """vLLM's TextPrompt or TokensPrompt: its text or its token ids."""
     if set(prompt) == {"prompt"}:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(
+                'a prompt dict\'s "prompt" is a str; token ids go in "prompt_token_ids"'
+            )
         return prompt["prompt"]
     if set(prompt) == {"prompt_token_ids"}:
+        if not isinstance(prompt["prompt_token_ids"], (list, tuple)):
+            raise ValueError('a prompt dict\'s "prompt_token_ids" is a list of token ids')
         return prompt["prompt_token_ids"]
     raise ValueError(
         f'a prompt dict holds "prompt" or "prompt_token_ids" alone, not {", ".join(sorted(prompt))}'

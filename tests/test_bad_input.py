@@ -42,6 +42,11 @@ def expected(llm: LLM) -> list[int]:
         ([GOOD + [-1]], "outside the vocabulary"),
         ([GOOD, []], "empty"),  # one bad prompt in a list: nothing of the list runs
         ([3, 4], "list of lists"),
+        (None, "not NoneType"),
+        (5, "not int"),
+        ("a \ud800", "surrogates not allowed"),  # the tokenizer's TypeError before
+        ([{"prompt": GOOD}], '"prompt" is a str'),  # it was read as token ids
+        ([{"prompt_token_ids": "Once"}], '"prompt_token_ids" is a list'),  # read as text
     ],
 )
 def test_bad_prompt_raises_and_engine_keeps_serving(

@@ -538,6 +538,15 @@ def test_vllm_prompt_dicts_are_their_text_or_token_ids(stories_llm: LLM) -> None
         stories_llm.generate({"prompt": "a", "multi_modal_data": {}}, params, use_tqdm=False)
 
 
+def test_prompts_from_a_generator_are_each_generated(stories_llm: LLM) -> None:
+    """Its first item was read (to tell token ids from prompts) and lost."""
+    params = SamplingParams(temperature=0, max_tokens=6)
+    prompts = ["Once upon a time", "Lily"]
+    want = [r["text"] for r in stories_llm.generate(prompts, params, use_tqdm=False)]
+    got = stories_llm.generate((p for p in prompts), params, use_tqdm=False)
+    assert [r["text"] for r in got] == want
+
+
 def test_token_ids_of_any_integer_type_are_a_prompt(stories_llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=6)
     ids = stories_llm.tokenizer.encode("Once upon a time")

@@ -73,9 +73,17 @@ def prompt_ids(
         except Exception as e:  # a template is code: its rendering may raise anything
             raise ValueError(f"cannot apply the chat template: {e}") from e
         # the template writes any BOS itself; encoding must not add a second one
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(_unicode(text), add_special_tokens=False)
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(_unicode(prompt))
     if prompt is None:
         raise ValueError("a request needs a prompt or messages")
     return list(prompt)
+
+
+def _unicode(text: str) -> str:
+    """The text, if it is Unicode; raises ValueError (UnicodeEncodeError) for a lone surrogate,
+    which the tokenizer refuses with a TypeError."""
+    if not text.isascii():
+        text.encode("utf-8")
+    return text
