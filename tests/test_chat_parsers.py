@@ -128,6 +128,16 @@ def test_a_call_cut_short_is_closed() -> None:
     assert calls == [{"name": "g", "arguments": "{}"}]
 
 
+@pytest.mark.parametrize("cut", ['{"a"', '{"a":', '{"a": 1,', '{"a": [1, ', '{"a": tr', '{"a": 1.'])
+def test_a_call_cut_where_no_closing_makes_json_keeps_its_text(cut: str) -> None:
+    """Closed up, `{"a"` was `{"a"}`: text the model never wrote, and no JSON either."""
+    for parser, text in (
+        (HermesToolParser, f'<tool_call>{{"name": "f", "arguments": {cut}'),
+        (JsonArrayToolParser, f'[{{"name": "f", "parameters": {cut}'),
+    ):
+        assert _same_however_split(parser, text) == (None, [{"name": "f", "arguments": cut}])
+
+
 def test_text_after_the_arguments_is_dropped_up_to_the_closing_tag() -> None:
     text = '<tool_call>{"name": "f", "arguments": {"a": 1}} junk</tool_call>after'
     assert _same_however_split(HermesToolParser, text) == (

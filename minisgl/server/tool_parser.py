@@ -7,7 +7,7 @@ final and the call deltas to send (a call's first delta holds its id and name, t
 pieces of its arguments). Decisions depend only on the text, never on where it was split, so the
 whole reply fed at once gives the same content and calls. A call's arguments are the model's own
 JSON text (OpenAI warns that they may not be valid JSON); one cut short is closed with the brackets
-it left open. A call object in another shape (its arguments first, or as a string of JSON, as
+it left open where that makes it JSON, and kept as written elsewhere (`{"a"`). A call object in another shape (its arguments first, or as a string of JSON, as
 vLLM's and SGLang's parsers read them too) is read whole once its block closes; a block that is
 no call object is content, its tags included.
 """
@@ -139,9 +139,11 @@ class _ValueEnd:
     closers: list[str] = field(default_factory=list)
     in_string: bool = False
     escaped: bool = False
+    written: list[str] = field(default_factory=list)  # the value's text so far
 
     def feed(self, text: str) -> int | None:
         """The index in `text` just past the value's end, or None if it goes on."""
+        self.written.append(text)
         for i, c in enumerate(text):
             if self.in_string:
                 if self.escaped:
@@ -161,8 +163,14 @@ class _ValueEnd:
         return None
 
     def closing(self) -> str:
-        """What closes a value cut short."""
-        return ('"' if self.in_string else "") + "".join(reversed(self.closers))
+        """What closes a value cut short into JSON, or "" where no closing would (`{"a"`, `[1,`):
+        the value then stays as it was written, as OpenAI's."""
+        closing = ('"' if self.in_string else "") + "".join(reversed(self.closers))
+        try:
+            orjson.loads("".join(self.written) + closing)
+        except orjson.JSONDecodeError:
+            return ""
+        return closing
 
 
 class _Reply:
