@@ -8,6 +8,7 @@ import resource
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -243,6 +244,36 @@ def test_body_over_32_mib_is_a_413(server: ServerProcess, chunked: bool) -> None
     with bystander(server, max_tokens=512):
         response = server.post(COMPLETIONS, content=content, headers=JSON, timeout=60)
     assert_openai_error(response, 413)
+    assert_clean(server, before)
+
+
+def test_a_long_prompt_being_tokenized_holds_back_no_other_request(server: ServerProcess) -> None:
+    """12.6 MB of text takes the tokenizer ~8 s on a 2-core CPU: a request sent meanwhile is
+    served (it waited for the whole of it), and the long one is then refused as too long."""
+    before = server.metrics()
+    long = {"model": MODEL, "prompt": "Once upon a time there was a girl. " * 360_000}
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(_post_json, server, COMPLETIONS, long)
+        time.sleep(1)  # its body sent, read and passed on (~0.3 s here)
+        assert not refused.done()
+        assert _text(_post_json(server, COMPLETIONS, {"model": MODEL, "prompt": "Once"}))
+        assert not refused.done()
+        assert_openai_error(refused.result(), 400)
+    assert_clean(server, before)
+
+
+def test_a_client_that_leaves_while_its_long_prompts_are_tokenized_is_aborted(
+    server: ServerProcess,
+) -> None:
+    """Its requests reach the scheduler after the abort: they are aborted then, not run."""
+    before = server.metrics()
+    prompts = ["Once upon a time there was a girl. " * 100] * 2048  # 7 MB, ~5 s to tokenize
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 64, "ignore_eos": True}
+    client = RawRequest(server, COMPLETIONS, body)
+    time.sleep(1)  # read and passed on to the tokenizer (~0.3 s here)
+    client.leave()
+    after = wait_for_metrics(server, lambda m: ended(before, m) >= len(prompts), 120)
+    assert delta(before, after, finished("abort")) == len(prompts)
     assert_clean(server, before)
 
 
