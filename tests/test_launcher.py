@@ -12,11 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from minisgl.server.cli import parse_args
 from minisgl.server.launch import _base_url
 from minisgl.utils import DEFAULT_MODEL_PATH
+from minisgl.utils.torch_utils import resolve_dtype
 
 from .conftest import TOKENIZER_FILES
 from .server_process import ServerProcess, free_port
@@ -73,6 +75,12 @@ def _model_dir(
         (["--device", "cpu", "--chat-template", "/nonexistent/t.jinja"], "no readable file"),
         (["--device", "cpu", "--chat-template", "{% if %}"], "--chat-template is no Jinja"),
         (["--device", "cpu", "--tp", "3"], "--tp 3 must divide the model's attention heads (8)"),
+        # a traceback before; cpu:3 failed in scheduler-0 after the API server started
+        (["--device", "tpu"], "device 'tpu' is not supported"),
+        (["--device", "cpu:3"], "device 'cpu:3' is not supported"),
+        (["--device", "mps"], "device 'mps' is not supported"),  # "unknown attention backend"
+        (["--device", "cpu", "--host", ""], "--host must name an address"),  # waited for good
+        (["--device", "cpu", "--served-model-name", ""], "--served-model-name must not be empty"),
     ],
 )
 def test_a_bad_setting_fails_before_any_child_starts_in_one_line(flags, message) -> None:
@@ -131,6 +139,30 @@ def test_a_setting_only_the_engine_can_check_names_the_process_in_one_line(
         in run.stderr
     )
     assert "a process exited during start-up: scheduler-0 (exit code 1)" in run.stderr
+
+
+def test_a_kv_cache_larger_than_the_machine_fails_in_one_line() -> None:
+    """torch's allocation error was a traceback."""
+    run = _launch("--device", "cpu", "--max-kv-tokens", str(10**12))
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "minisgl: scheduler-0: --max-kv-tokens 1000000000000: its KV cache needs" in run.stderr
+
+
+def test_the_launcher_reaches_its_own_server_under_an_http_proxy(tmp_path: Path) -> None:
+    """Its start-up /health calls went to the proxy (a dead one here): it waited for good."""
+    proxy = f"http://127.0.0.1:{free_port()}"
+    env = {"http_proxy": proxy, "HTTP_PROXY": proxy, "no_proxy": "", "NO_PROXY": ""}
+    server = ServerProcess(tmp_path, "--served-model-name", "m", env=env)
+    try:
+        answer = server.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+    finally:
+        server.stop()
+
+
+def test_vllm_s_dtype_names_are_taken() -> None:
+    for name, dtype in (("half", torch.float16), ("float", torch.float32)):
+        assert resolve_dtype(name, torch.device("cpu")) == dtype
 
 
 def _cuda_available() -> bool:

@@ -151,6 +151,14 @@ class Engine:
         )
         if c.max_kv_tokens is not None:
             tokens = c.max_kv_tokens
+            # what could never fit, in one line (torch's allocation error is a traceback)
+            room = _free_memory(self.device) if self.device.type == "cuda" else _host_memory()
+            if tokens * per_token > room:
+                raise ConfigError(
+                    f"--max-kv-tokens {tokens}: its KV cache needs {tokens * per_token / 2**30:.1f}"
+                    f" GiB, more than the {room / 2**30:.1f} GiB "
+                    + ("free on the GPU" if self.device.type == "cuda" else "of this machine")
+                )
         else:
             if self.device.type == "cuda":
                 used_by_model = free_before - _free_memory(self.device)
@@ -319,6 +327,10 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
         return t
     return t.to("cpu", non_blocking=True)
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _free_memory(device: torch.device) -> int:

@@ -45,6 +45,10 @@ class ServerArgs:
         self._check_nodes()
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port must be in 1-65535, not {self.port}")
+        if not self.host:  # the launcher would wait for good on http://:PORT
+            raise ValueError("--host must name an address (0.0.0.0: every interface)")
+        if not self.served_model_name:
+            raise ValueError("--served-model-name must not be empty")
         timeouts = [self.shutdown_timeout, self.health_timeout, self.timeout_keep_alive]
         if self.request_timeout is not None:
             timeouts.append(self.request_timeout)

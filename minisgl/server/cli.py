@@ -212,7 +212,9 @@ def parse_args(
     return ServerArgs(
         engine=EngineConfig(model_path=path, **_given(ns, EngineConfig)),
         scheduler=SchedulerConfig(**_given(ns, SchedulerConfig)),
-        served_model_name=ns["served_model_name"] or model or path.name,
+        served_model_name=(
+            ns["served_model_name"] if ns["served_model_name"] is not None else model or path.name
+        ),
         api_key=ns["api_key"] or environ.get(API_KEY_ENV) or None,  # empty: no key, as vLLM
         chat_template=chat_template,
         limits=RequestLimits(**_given(ns, RequestLimits)),

@@ -52,6 +52,7 @@ from .router import leave_out
 from .shell import run_shell
 
 _STOP_TIMEOUT_S = 5.0
+_REPLICA_HOST = "127.0.0.1"  # --dp's replicas listen here, behind the router
 
 
 class _Stop(Exception):
@@ -78,10 +79,25 @@ def _free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
+def _local_host(args: ServerArgs) -> str:
+    """The address this machine reaches the server (and its --dp replicas) at."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
+
+
 def _base_url(args: ServerArgs) -> str:
     """Where this machine reaches the server."""
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
+    host = _local_host(args)
     return f"http://[{host}]:{args.port}" if ":" in host else f"http://{host}:{args.port}"
+
+
+def _bypass_proxies(hosts: list[str]) -> None:
+    """Have this process's HTTP calls to the server, and its children's (sglang-router's to
+    the replicas), go there directly: under `http_proxy` the start-up's /health calls went to
+    the proxy, and the launcher waited for good."""
+    hosts = [*hosts, *(f"[{host}]" for host in hosts if ":" in host)]  # as urllib matches IPv6
+    for name in ("no_proxy", "NO_PROXY"):
+        given = [entry for entry in os.environ.get(name, "").split(",") if entry]
+        os.environ[name] = ",".join(dict.fromkeys([*given, *hosts]))
 
 
 def _node_ranks(args: ServerArgs) -> range:
@@ -147,7 +163,7 @@ def _start_replicas(
     where = placements(args.dp_size, args.engine.tp_size)
     for i, (port, placement) in enumerate(zip(ports, where, strict=True)):
         # on 127.0.0.1: only the router (and a local metrics scraper) reaches a replica
-        replica = replace(args, host="127.0.0.1", port=port, dp_size=1)
+        replica = replace(args, host=_REPLICA_HOST, port=port, dp_size=1)
         replicas.append([])
         _start(replica, replicas[i], f"r{i}-", placement)
         urls.append(_base_url(replica))
@@ -286,6 +302,7 @@ def launch(args: ServerArgs) -> int:
         signal.signal(signum, on_stop_signal)
     _raise_open_file_limit()  # the children inherit it
     os.environ["MINISGL_LOG_LEVEL"] = args.log_level  # read by the children's loggers
+    _bypass_proxies([_local_host(args), _REPLICA_HOST])
     servers: list[list[BaseProcess]] = []  # the server's processes; with --dp, each replica's
     router: list[BaseProcess] = []  # with --dp
     url = _base_url(args)

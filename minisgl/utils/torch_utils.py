@@ -19,16 +19,25 @@ def torch_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    """`auto`: CUDA if there is one, else the CPU; raises ConfigError for any device but a CUDA
+    one and the CPU (which has no index but 0)."""
+    name = "cuda" if str(device) == "auto" and torch.cuda.is_available() else str(device)
+    try:
+        resolved = torch.device("cpu" if name == "auto" else name)
+    except RuntimeError:  # not a device torch knows
+        resolved = None
+    if resolved is None or not (
+        resolved.type == "cuda" or (resolved.type == "cpu" and resolved.index in (None, 0))
+    ):
+        raise ConfigError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPES.update({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})
+_DTYPES.update({"float": torch.float32, "half": torch.float16})  # vLLM's and SGLang's names
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
