@@ -36,7 +36,8 @@ class EngineConfig:
     max_running_requests: int = 256
     max_kv_tokens: int | None = None  # None: sized from free memory
     max_model_len: int | None = None  # None: the model's; the KV pool must hold one such request
-    gpu_memory_utilization: float = 0.85  # of the GPU memory free at start-up, for weights + KV
+    # of the device memory free at start-up, for weights + KV; None: the engine's default
+    gpu_memory_utilization: float | None = None
     attention_backend: str = "auto"  # auto: the registry's default for the device
     moe_backend: str = "auto"  # a MoE model's experts; auto: as attention_backend
     cuda_graph_max_bs: int | None = None  # None: max_running_requests on cuda; 0: off
@@ -55,7 +56,7 @@ class EngineConfig:
         check_positive(self, "max_kv_tokens", "max_model_len", optional=True)
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp rank {self.tp_rank} is outside a TP size of {self.tp_size}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ConfigError("cuda_graph_max_bs must be >= 0")

@@ -218,3 +218,9 @@ def test_the_model_path_is_the_first_argument_only(checkpoint) -> None:
 def test_bad_scheduler_settings_fail_before_the_model_loads(checkpoint, settings, match) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(str(checkpoint("llama")), device=DEVICE, **settings)
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache_on_the_cpu_too(checkpoint) -> None:
+    """On the CPU it was read nowhere: a share too small to hold one request built anyway."""
+    with pytest.raises(ValueError, match="the KV cache holds"):
+        LLM(str(checkpoint("llama")), device="cpu", gpu_memory_utilization=1e-9)

@@ -43,6 +43,8 @@ from .graph import GraphRunner
 from .sampler import SampleOutput, Sampler, token_logprobs
 
 logger = init_logger(__name__)
+_GPU_MEMORY_UTILIZATION = 0.85  # a GPU's default share of its free memory, for weights + KV
+_CPU_KV_SHARE = 0.2  # the CPU's default, for the KV cache: its memory is everyone else's too
 
 
 @dataclass
@@ -160,11 +162,12 @@ class Engine:
                     + ("free on the GPU" if self.device.type == "cuda" else "of this machine")
                 )
         else:
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" or c.gpu_memory_utilization is not None:
                 used_by_model = free_before - _free_memory(self.device)
-                budget = int(c.gpu_memory_utilization * free_before) - used_by_model
-            else:  # host memory is shared with everything else: take a modest share
-                budget = int(0.2 * free_before)
+                share = c.gpu_memory_utilization or _GPU_MEMORY_UTILIZATION
+                budget = int(share * free_before) - used_by_model
+            else:
+                budget = int(_CPU_KV_SHARE * free_before)
             tokens = min(budget // per_token, c.max_running_requests * seq_len)
         if c.tp_size > 1:  # every rank must agree on the pool size
             t = torch.tensor([tokens], device=self.device if self.device.type == "cuda" else "cpu")
