@@ -203,22 +203,26 @@ def test_the_api_key_comes_from_the_environment_too() -> None:
 
 
 def test_vllm_flags_reach_the_server(tmp_path: Path) -> None:
-    """--max-model-len, --gpu-memory-utilization, --seed, --log-level and --chat-template, on a
-    server given its model as an argument."""
+    """--max-model-len, --gpu-memory-utilization, --seed, --log-level, --chat-template and two
+    --served-model-name names, on a server given its model as an argument."""
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     server = ServerProcess(
         tmp_path,
         str(DEFAULT_MODEL_PATH), "--max-model-len", "300", "--max-kv-tokens", "600",
         "--gpu-memory-utilization", "0.5", "--seed", "3", "--log-level", "warning",
-        "--chat-template", template,
+        "--chat-template", template, "--served-model-name", "first", "second",
     )  # fmt: skip
     try:
-        card = httpx.get(server.url + "/v1/models").json()["data"][0]
-        assert card["max_model_len"] == 300
+        cards = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [card["id"] for card in cards] == ["first", "second"]
+        assert cards[0]["max_model_len"] == 300
         body = {"messages": [{"role": "user", "content": "Once upon"}], "max_tokens": 2}
-        usage = server.post("/v1/chat/completions", json=body).json()["usage"]
+        reply = server.post("/v1/chat/completions", json={**body, "model": "second"}).json()
+        # as vLLM's: any name is served, the first names the reply
+        assert reply["model"] == "first"
         # the template writes the content alone: no role markers around it
-        assert usage["prompt_tokens"] == 2
+        assert reply["usage"]["prompt_tokens"] == 2
+        assert server.post("/v1/chat/completions", json={**body, "model": "x"}).status_code == 404
         assert "INFO:" not in server.log()  # --log-level warning: no access log lines either
     finally:
         server.stop()

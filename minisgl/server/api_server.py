@@ -140,8 +140,10 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             raise ApiError(503, "the engine is still starting")
         return client.limits
 
+    names = (args.served_model_name, *args.served_model_aliases)
+
     def check_model(model: str | None) -> None:
-        if model is not None and model != args.served_model_name:
+        if model is not None and model not in names:
             raise ApiError(404, f"the model `{model}` does not exist", "model_not_found")
 
     @app.get("/health")
@@ -154,9 +156,9 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     async def metrics() -> Response:
         return Response(client.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
         return {
-            "id": args.served_model_name,
+            "id": name,
             "object": "model",
             "created": created,
             "owned_by": "minisgl",
@@ -167,12 +169,12 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": [model_card()]})
+        return json_response({"object": "list", "data": [model_card(name) for name in names]})
 
     @app.get("/v1/models/{model:path}")
     async def model_by_id(model: str) -> Response:
         check_model(model)
-        return json_response(model_card())
+        return json_response(model_card(model))
 
     # read by sglang-router in front of --dp replicas; fixed for the server's life
     worker_model_info, worker_server_info = model_info(args), server_info(args)

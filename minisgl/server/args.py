@@ -19,7 +19,8 @@ class ServerArgs:
 
     engine: EngineConfig  # tp_rank is 0; the launcher derives each rank's config
     scheduler: SchedulerConfig
-    served_model_name: str
+    served_model_name: str  # what replies name
+    served_model_aliases: tuple[str, ...] = ()  # other names clients may send
     host: str = "127.0.0.1"
     port: int = 1919
     api_key: str | None = None
@@ -47,7 +48,7 @@ class ServerArgs:
             raise ValueError(f"--port must be in 1-65535, not {self.port}")
         if not self.host:  # the launcher would wait for good on http://:PORT
             raise ValueError("--host must name an address (0.0.0.0: every interface)")
-        if not self.served_model_name:
+        if not all([self.served_model_name, *self.served_model_aliases]):
             raise ValueError("--served-model-name must not be empty")
         timeouts = [self.shutdown_timeout, self.health_timeout, self.timeout_keep_alive]
         if self.request_timeout is not None:

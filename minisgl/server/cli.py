@@ -175,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--served-model-name",
-        help="the model name clients send and /v1/models lists (default: --model as given)",
+        nargs="+",
+        help="the model name clients send and /v1/models lists (default: --model as given); "
+        "several: clients may send any, replies name the first (as vLLM's)",
     )
     p.add_argument(
         "--chat-template", help="a Jinja chat template, or a file holding one, used instead of "
@@ -209,12 +211,12 @@ def parse_args(
     origins = {}
     if ns["allowed_origins"] is not None:
         origins["allowed_origins"] = _origins(ns["allowed_origins"])
+    names = ns["served_model_name"] or [model or path.name]
     return ServerArgs(
         engine=EngineConfig(model_path=path, **_given(ns, EngineConfig)),
         scheduler=SchedulerConfig(**_given(ns, SchedulerConfig)),
-        served_model_name=(
-            ns["served_model_name"] if ns["served_model_name"] is not None else model or path.name
-        ),
+        served_model_name=names[0],
+        served_model_aliases=tuple(names[1:]),
         api_key=ns["api_key"] or environ.get(API_KEY_ENV) or None,  # empty: no key, as vLLM
         chat_template=chat_template,
         limits=RequestLimits(**_given(ns, RequestLimits)),
