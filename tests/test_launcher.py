@@ -81,6 +81,11 @@ def _model_dir(
         (["--device", "mps"], "device 'mps' is not supported"),  # "unknown attention backend"
         (["--device", "cpu", "--host", ""], "--host must name an address"),  # waited for good
         (["--device", "cpu", "--served-model-name", ""], "--served-model-name must not be empty"),
+        # the model path after the flag was a second name, and the default model was served
+        (
+            ["--device", "cpu", "--served-model-name", "a", str(DEFAULT_MODEL_PATH)],
+            "give the model before it",
+        ),
     ],
 )
 def test_a_bad_setting_fails_before_any_child_starts_in_one_line(flags, message) -> None:

@@ -198,6 +198,13 @@ def parse_args(
     if ns["model_path"] and ns["model"] and ns["model_path"] != ns["model"]:
         raise ValueError("give the model once: as MODEL or as --model")
     model = ns["model_path"] or ns["model"]
+    if model is None and len(ns["served_model_name"] or ()) > 1:
+        # `--served-model-name NAME MODEL` reads the model as a second name: say so, not serve
+        # the default model under two names
+        raise ValueError(
+            "--served-model-name takes several names: give the model before it (minisgl MODEL "
+            "--served-model-name NAME) or as --model"
+        )
     path = resolve_model_path(model)
     chat_template = ns["chat_template"]
     # as vLLM reads it: text with none of Jinja's characters names a file, which must open
