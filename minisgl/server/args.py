@@ -50,11 +50,15 @@ class ServerArgs:
             raise ValueError("--host must name an address (0.0.0.0: every interface)")
         if not all([self.served_model_name, *self.served_model_aliases]):
             raise ValueError("--served-model-name must not be empty")
-        timeouts = [self.shutdown_timeout, self.health_timeout, self.timeout_keep_alive]
-        if self.request_timeout is not None:
-            timeouts.append(self.request_timeout)
-        if not all(0 < t < math.inf for t in timeouts):
-            raise ValueError("timeouts must be a finite number of seconds > 0")
+        timeouts = {
+            "--shutdown-timeout": self.shutdown_timeout,
+            "--health-timeout": self.health_timeout,
+            "--timeout-keep-alive": self.timeout_keep_alive,
+            "--request-timeout": self.request_timeout,
+        }
+        for flag, seconds in timeouts.items():
+            if seconds is not None and not 0 < seconds < math.inf:
+                raise ValueError(f"{flag} must be a finite number of seconds > 0, not {seconds}")
         if self.health_timeout < MIN_HEALTH_TIMEOUT_S:
             raise ValueError(
                 f"--health-timeout must be at least {MIN_HEALTH_TIMEOUT_S:g} s: the scheduler "

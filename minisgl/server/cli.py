@@ -11,6 +11,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -250,5 +251,15 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         check_settings(args)
     except ValueError as e:
-        sys.exit(f"minisgl: error: {e}")
+        sys.exit(f"minisgl: error: {_in_flags(str(e))}")
     sys.exit(launch(args))
+
+
+def _in_flags(message: str) -> str:
+    """A settings error in the command line's words: each field it names (max_model_len, which
+    the offline LLM takes) as its option (--max-model-len); one-word names (device) are words."""
+    for option, (_, field) in _fields().items():
+        if "_" in field.name:
+            flag = "--" + option.replace("_", "-")
+            message = re.sub(rf"(?<![\w-]){field.name}\b", flag, message)
+    return message
