@@ -291,8 +291,10 @@ REFUSED = [
     ({"type": "array", "items": {"type": "object", "required": ["a"]}},
      '#/items/required "a" outside its properties', "[{}]", False),
     # keywords beside a combining one are dropped
-    ({"type": "string", "maxLength": 2, "anyOf": [{"type": "string"}]}, "#/anyOf beside type",
-     '"abc"', False),
+    ({"type": "string", "maxLength": 2, "anyOf": [{"type": "string"}]},
+     "#/anyOf beside maxLength", '"abc"', False),
+    ({"type": "string", "anyOf": [{"type": "integer"}, {"type": "string"}]},
+     "#/anyOf beside type", "1", False),
     ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "minimum": 5},
      "#/$ref beside minimum", "3", False),
     ({"anyOf": [{"type": "string"}], "oneOf": [{"type": "integer"}]}, "#/anyOf beside oneOf",
@@ -307,7 +309,7 @@ REFUSED = [
     # a keyword of one type's values is dropped where no type is named
     ({"type": "object", "properties": {"a": {"maxLength": 2}}, "required": ["a"]},
      "#/properties/a/maxLength without a type", '{"a": "abc"}', False),
-    ({"type": []}, "#/type naming no type", "1", False),
+    ({"type": []}, "#/type [] naming no JSON type", "1", False),
     # counts are read modulo 2^32
     ({"type": "array", "maxItems": 2**32 + 1}, "#/maxItems past 2147483647", "[1, 2]", True),
     ({"type": "string", "pattern": "^a{4294967297}$"},
@@ -381,6 +383,8 @@ def test_each_refused_schema_is_one_xgrammar_gets_wrong(
         ("regex", "(ab){4294967297}"),
         ("regex", "a{0,99999999999999999999}"),
         ("grammar", 'root ::= "a"{4294967297}'),
+        ("grammar", 'root ::= "a"{0, 4294967297}'),  # EBNF's spaces: missed before
+        ("grammar", 'root ::= "a"{ 4294967297 }'),
         ("structural_tag", json.dumps({"type": "structural_tag",
                                        "format": {"type": "regex", "pattern": "a{2,4294967297}"}})),
     ],
@@ -391,6 +395,21 @@ def test_repetition_counts_xgrammar_reads_modulo_2_32_are_refused(
     params = SamplingParams(max_tokens=5, structured=StructuredOutput(**{constraint: text}))
     with pytest.raises(ValueError, match="a repetition count past 2147483647"):
         llms[True].generate(["a"], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "schema", [{"type": [["string"]], "enum": ["a"]}, {"type": [{"a": 1}], "const": 1}]
+)
+def test_a_type_that_names_no_type_is_refused_and_the_engine_serves_on(
+    llms: dict[bool, LLM], schema: dict
+) -> None:
+    """Its TypeError (an unhashable type name) ended the scheduler: a server went down."""
+    llm = llms[True]
+    params = SamplingParams(max_tokens=5, structured=StructuredOutput(json_schema=schema))
+    with pytest.raises(ValueError, match="naming no JSON type"):
+        llm.generate(["a"], params, use_tqdm=False)
+    assert llm.generate(["c"], SamplingParams(max_tokens=4), use_tqdm=False)[0]["token_ids"]
+    llm.scheduler.check_integrity()
 
 
 def test_repetition_counts_in_classes_strings_and_comments_are_text() -> None:
@@ -428,6 +447,9 @@ def test_schemas_xgrammar_enforces_compile() -> None:
         {"type": "integer", "multipleOf": 1024},
         {"type": "integer", "multipleOf": 5, "exclusiveMinimum": 0, "exclusiveMaximum": 10001},
         {"$id": "https://example.com/s", "$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A"},
+        {"type": "object", "anyOf": [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]},
     ]  # fmt: skip
     for schema in schemas:
         assert unenforced_keyword(schema, "#") is None, schema

@@ -98,9 +98,13 @@ class Grammars:
         the first); raises ValueError if it failed to compile, or `after` is no one token."""
         try:
             grammar = compiled.result()
-        except RuntimeError as e:  # xgrammar's error for a schema, regex or grammar it refuses
-            # its last line says why; a number past a double's range (1e400) raises one of none
+        except ValueError:  # refused here, before xgrammar: it says why
+            raise
+        except Exception as e:  # what xgrammar raises on a schema, regex or grammar it refuses
+            # (a RuntimeError whose last line says why, a TypeError on a value of another type);
+            # whatever it is, a request's constraint must not end the scheduler
             lines = str(e).strip().splitlines()
+            # a number past a double's range (1e400) raises one of no text
             why = (
                 _XGRAMMAR_PREFIX.sub("", lines[-1]) if lines else "the grammar compiler refused it"
             )

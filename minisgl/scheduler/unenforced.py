@@ -44,7 +44,7 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 _MULTIPLE_STEP = 1024
 _MULTIPLE_SPAN = 10_000
 _INT64 = 2**63
-_REPETITION = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+_REPETITION = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # EBNF allows the spaces
 # escapes a JSON string's pattern may hold: xgrammar matches a pattern against the string as
 # written in JSON, so one that names a quote, a backslash or a control character (`\x22`, `\n`)
 # lets through what is no JSON, and one with a character past ASCII drops its exclusion of them
@@ -81,20 +81,48 @@ def _combined(schema: dict[str, Any]) -> str | None:
     """Keywords xgrammar never holds, or drops beside others; references it resolves wrongly."""
     if never := next((k for k in _NEVER if k in schema and schema[k] is not False), None):
         return never
-    holding = [k for k in _HOLDING if k in schema]
+    holding = [k for k in _HOLDING if k in schema and not (k == "type" and _typed_alike(schema))]
     combining = [k for k in _COMBINING if k in schema]
     if len(combining) > 1 or (combining and holding):
         return f"{combining[0]} beside {(combining[1:] + holding)[0]}"
     if "type" not in schema and (untyped := [k for k in _OF_ONE_TYPE if k in schema]):
         return f"{untyped[0]} without a type"
-    if schema.get("type") == []:
-        return "type naming no type"
+    if "type" in schema and not _types(schema["type"]):
+        return f"type {json.dumps(schema['type'])} naming no JSON type"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return "allOf of more than one schema"
     ref = schema.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         return "$ref to other than a JSON pointer in this document"
     return None
+
+
+def _typed_alike(schema: dict[str, Any]) -> bool:
+    """Every branch of the schema's anyOf, oneOf or allOf names a type its own `type` allows
+    (`{"type": "object", "anyOf": [{"type": "object", ...}, ...]}`): the type beside them,
+    which xgrammar drops, says nothing more."""
+    named = _types(schema.get("type"))
+    branches = [b for k in ("anyOf", "oneOf", "allOf") for b in _list(schema.get(k))]
+    return (
+        named is not None
+        and bool(branches)
+        and all(isinstance(b, dict) and (own := _types(b.get("type"))) and own <= named
+                for b in branches)
+    )  # fmt: skip
+
+
+def _types(named: Any) -> set[str] | None:
+    """The JSON types a `type` keyword names; None if it names none xgrammar knows."""
+    types = [named] if isinstance(named, str) else named
+    if not isinstance(types, list) or not all(
+        isinstance(t, str) and t in _JSON_TYPES for t in types
+    ):
+        return None
+    return set(types)
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
 
 
 def _unenforced_values(schema: dict[str, Any]) -> str | None:
@@ -111,13 +139,13 @@ def _unenforced_values(schema: dict[str, Any]) -> str | None:
             return None  # xgrammar refuses it
         if any(_has_big_int(value) for value in values):
             return f"{key} with an integer past 64 bits"
-        named = schema.get("type")
-        types = [named] if isinstance(named, str) else named
-        if not isinstance(types, list) or not all(t in _JSON_TYPES for t in types):
+        types = _types(schema.get("type"))
+        if types is None:
             continue  # no type, or one xgrammar refuses itself
         for value in values:
             if not any(_of_type(value, t) for t in types):
-                return f"{key} value {json.dumps(value)} is not of type {json.dumps(named)}"
+                named = json.dumps(schema["type"])
+                return f"{key} value {json.dumps(value)} is not of type {named}"
     return None
 
 

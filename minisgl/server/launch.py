@@ -35,7 +35,6 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
@@ -47,6 +46,7 @@ from minisgl.utils import sampling_defaults
 from minisgl.utils.process import local_init_method, start_child
 
 from .args import ServerArgs
+from .direct_http import open_direct
 from .placement import Placement, placements
 from .router import leave_out
 from .shell import run_shell
@@ -79,25 +79,18 @@ def _free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-def _local_host(args: ServerArgs) -> str:
-    """The address this machine reaches the server (and its --dp replicas) at."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
-
-
 def _base_url(args: ServerArgs) -> str:
     """Where this machine reaches the server."""
-    host = _local_host(args)
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
     return f"http://[{host}]:{args.port}" if ":" in host else f"http://{host}:{args.port}"
 
 
-def _bypass_proxies(hosts: list[str]) -> None:
-    """Have this process's HTTP calls to the server, and its children's (sglang-router's to
-    the replicas), go there directly: under `http_proxy` the start-up's /health calls went to
-    the proxy, and the launcher waited for good."""
-    hosts = [*hosts, *(f"[{host}]" for host in hosts if ":" in host)]  # as urllib matches IPv6
+def _router_bypasses_proxies() -> None:
+    """Have sglang-router, started after this, reach the replicas directly: it honours
+    `http_proxy`, and `no_proxy` (which this adds the replicas' host to)."""
     for name in ("no_proxy", "NO_PROXY"):
         given = [entry for entry in os.environ.get(name, "").split(",") if entry]
-        os.environ[name] = ",".join(dict.fromkeys([*given, *hosts]))
+        os.environ[name] = ",".join(dict.fromkeys([*given, _REPLICA_HOST]))
 
 
 def _node_ranks(args: ServerArgs) -> range:
@@ -180,6 +173,7 @@ def _start_data_parallel(
     urls = _start_replicas(args, replicas, ports)
     for url in urls:
         _wait_ready(url + "/health", _flat(replicas))
+    _router_bypasses_proxies()
     router.append(
         start_child("router", "minisgl.server.router:run_router", args, urls, metrics_port)
     )
@@ -224,7 +218,7 @@ def _wait_ready(
         if dead := _dead(procs):
             raise RuntimeError(f"a process exited during start-up: {', '.join(dead)}")
         try:
-            with urllib.request.urlopen(url, timeout=1) as response:
+            with open_direct(url, timeout=1) as response:
                 if response.status == 200 and ready(response.read()):
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -302,7 +296,6 @@ def launch(args: ServerArgs) -> int:
         signal.signal(signum, on_stop_signal)
     _raise_open_file_limit()  # the children inherit it
     os.environ["MINISGL_LOG_LEVEL"] = args.log_level  # read by the children's loggers
-    _bypass_proxies([_local_host(args), _REPLICA_HOST])
     servers: list[list[BaseProcess]] = []  # the server's processes; with --dp, each replica's
     router: list[BaseProcess] = []  # with --dp
     url = _base_url(args)

@@ -15,6 +15,7 @@ import math
 import urllib.request
 
 from .args import ServerArgs
+from .direct_http import open_direct
 
 _HEALTH_INTERVAL_S = 2
 _HEALTH_FAILURES = 2
@@ -65,11 +66,11 @@ def leave_out(router_url: str, replica_url: str, api_key: str | None) -> None:
     if the router cannot be asked."""
     headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
     listing = urllib.request.Request(router_url + "/workers", headers=headers)
-    with urllib.request.urlopen(listing, timeout=5) as response:
+    with open_direct(listing, timeout=5) as response:
         workers = json.load(response)["workers"]
     for worker in workers:
         if worker["url"] == replica_url:
             removal = urllib.request.Request(
                 f"{router_url}/workers/{worker['id']}", headers=headers, method="DELETE"
             )
-            urllib.request.urlopen(removal, timeout=5).close()
+            open_direct(removal, timeout=5).close()

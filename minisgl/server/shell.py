@@ -16,6 +16,8 @@ from typing import Any
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import WordCompleter
 
+from .direct_http import open_direct
+
 # a reply cap keeps room in the context for the conversation (the API's default is the whole rest)
 REPLY_MAX_TOKENS = 256
 _COMMANDS = ("/reset", "/exit")
@@ -38,7 +40,7 @@ def stream_reply(
     request = urllib.request.Request(
         url + "/v1/chat/completions", json.dumps(body).encode(), headers
     )
-    with urllib.request.urlopen(request) as response:
+    with open_direct(request, timeout=None) as response:
         for line in response:
             data = line.decode().removeprefix("data: ").strip()
             if data and data != "[DONE]":

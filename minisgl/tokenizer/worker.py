@@ -1,8 +1,8 @@
 """The tokenizer process: text to token ids on the way in, token ids to text on the way out.
 
 Three threads, each with its own tokenizer, so that a long prompt being tokenized never holds
-back the text of running requests, nor another request's prompt (the tokenizers library releases
-the GIL while it encodes):
+back the text of running requests, nor a shorter request's prompt (the tokenizers library
+releases the GIL while it encodes):
 
     API server ◀▶ [tokenize thread]   ─AddRequests, AbortRequest─▶ scheduler
                         │      ▲ Ready (then forwarded to the API server)
