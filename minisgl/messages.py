@@ -287,11 +287,16 @@ def send(sock: zmq.Socket, msg: Any) -> None:
 def recv_all(sock: zmq.Socket, timeout_ms: int | None) -> list[Any]:
     """Every message waiting on `sock`; with a timeout (None: forever), waits for at least one
     that long first (an empty list if none came)."""
+    return [decode(data) for data in recv_all_bytes(sock, timeout_ms)]
+
+
+def recv_all_bytes(sock: zmq.Socket, timeout_ms: int | None) -> list[bytes]:
+    """As recv_all, each message as it came, still encoded."""
     if timeout_ms != 0 and not sock.poll(timeout_ms):
         return []
-    messages = []
+    frames = []
     while True:
         try:
-            messages.append(decode(sock.recv(zmq.NOBLOCK)))
+            frames.append(sock.recv(zmq.NOBLOCK))
         except zmq.Again:
-            return messages
+            return frames

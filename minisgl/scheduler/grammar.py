@@ -213,12 +213,12 @@ def _grammar(c: Any, spec: StructuredOutput) -> Any:
             schemas = [json.loads(spec.json_schema)]
         except json.JSONDecodeError:  # xgrammar names the error
             schemas = []
-        _refuse_unenforced(schemas, [], [])
+        _refuse_unenforced(schemas=schemas)
         return c.compile_json_schema(spec.json_schema, any_whitespace=False)
     if spec.json_object:  # not strict: an object may have any properties
         return c.compile_json_schema(_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
     if spec.regex is not None:
-        _refuse_unenforced([], [spec.regex], [])
+        _refuse_unenforced(regexes=[spec.regex])
         return c.compile_regex(spec.regex)
     if spec.choice is not None:
         alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
@@ -228,16 +228,18 @@ def _grammar(c: Any, spec: StructuredOutput) -> Any:
         if not isinstance(tag, dict):  # xgrammar's TypeError otherwise
             raise ValueError("invalid structured output: a structural tag is a JSON object")
         _refuse_unenforced(
-            _tag_parts(tag, "json_schema", "json_schema"),
-            _tag_parts(tag, "regex", "pattern"),
-            _tag_parts(tag, "grammar", "grammar"),
+            schemas=_tag_parts(tag, "json_schema", "json_schema"),
+            regexes=_tag_parts(tag, "regex", "pattern"),
+            grammars=_tag_parts(tag, "grammar", "grammar"),
         )
         return c.compile_structural_tag(tag)
-    _refuse_unenforced([], [], [spec.grammar])
+    _refuse_unenforced(grammars=[spec.grammar])
     return c.compile_grammar(spec.grammar)
 
 
-def _refuse_unenforced(schemas: list[Any], regexes: list[Any], grammars: list[Any]) -> None:
+def _refuse_unenforced(
+    schemas: Sequence[Any] = (), regexes: Sequence[Any] = (), grammars: Sequence[Any] = ()
+) -> None:
     """Raise ValueError for a constraint xgrammar would not hold the output to."""
     for schema in schemas:
         if (found := unenforced_keyword(schema, "#")) is not None:

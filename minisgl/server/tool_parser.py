@@ -7,9 +7,10 @@ final and the call deltas to send (a call's first delta holds its id and name, t
 pieces of its arguments). Decisions depend only on the text, never on where it was split, so the
 whole reply fed at once gives the same content and calls. A call's arguments are the model's own
 JSON text (OpenAI warns that they may not be valid JSON); one cut short is closed with the brackets
-it left open where that makes it JSON, and kept as written elsewhere (`{"a"`). A call object in another shape (its arguments first, or as a string of JSON, as
-vLLM's and SGLang's parsers read them too) is read whole once its block closes; a block that is
-no call object is content, its tags included.
+it left open where that makes it JSON, and kept as written elsewhere (`{"a"`). A call object in
+another shape (its arguments first, or as a string of JSON, as vLLM's and SGLang's parsers read
+them too) is read whole once its block closes; a block that is no call object is content, its tags
+included.
 """
 
 import json

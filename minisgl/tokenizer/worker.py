@@ -42,6 +42,7 @@ from minisgl.messages import (
     connect_push,
     decode,
     recv_all,
+    recv_all_bytes,
     send,
 )
 
@@ -246,11 +247,7 @@ def run_tokenizer(model_path: Path, addresses: Addresses, chat_template: str | N
     poller.register(tokenized, zmq.POLLIN)
     while True:
         for sock in dict(poller.poll()):
-            while True:
-                try:
-                    data = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for data in recv_all_bytes(sock, timeout_ms=0):
                 if sock is tokenized:
                     lanes.forward(decode(data))
                 else:
