@@ -107,6 +107,20 @@ class AddRequests:
     params: list[list[SamplingParams]]
 
 
+# ---------------------------------------------------------------------- scheduler rank 0 -> ranks
+@_wire
+@dataclass
+class GrammarVerdicts:
+    """Scheduler rank 0's word on requests whose grammar was compiling: start `started`, end
+    `refused` in error (`reasons`). Every TP rank applies it in the same turn, each waiting for
+    its own compile of a started one, so ranks whose compiles end at different times still
+    admit the same requests in the same step."""
+
+    started: list[int]
+    refused: list[int]
+    reasons: list[str]
+
+
 # ---------------------------------------------------------------------- scheduler -> tokenizer
 @_wire
 @dataclass

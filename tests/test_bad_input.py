@@ -213,7 +213,8 @@ def test_the_model_path_is_the_first_argument_only(checkpoint) -> None:
 @pytest.mark.parametrize(
     ("settings", "match"),
     [({"cache": "radx"}, "unknown prefix cache"), ({"overlap": "false"}, "overlap"),
-     ({"seed": 1.5}, "seed")],
+     ({"seed": 1.5}, "seed"), ({"grammar_timeout": 0}, "grammar_timeout must be"),
+     ({"grammar_timeout": float("inf")}, "grammar_timeout"), ({"grammar_timeout": True}, "grammar")],
 )  # fmt: skip
 def test_bad_scheduler_settings_fail_before_the_model_loads(checkpoint, settings, match) -> None:
     with pytest.raises(ValueError, match=match):

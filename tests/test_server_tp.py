@@ -8,19 +8,27 @@ CUDA and has them.
 The random models' byte tokens are invalid UTF-8, whose text the streaming detokenizer and a
 whole decode may render differently: their tokens are compared by logprob."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+import jsonschema
+import openai
 import pytest
 
 from minisgl import LLM, SamplingParams
 
 from .conftest import TP_DEVICE
 from .server_process import ServerProcess, alive, children, free_port, wait_for
+from .stress.checks import assert_clean
 from .test_moe import MOE
+from .test_structured_output import COSTLY_SCHEMA, GRAMMAR_TIMEOUT, SCHEMAS
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They"]
@@ -98,6 +106,48 @@ def test_tp2_moe_greedy_tokens_equal_tp1(checkpoint, tmp_path_factory) -> None:
         s.stop()
     for choice, reference in zip(batch.choices, want, strict=True):
         assert_same_or_near_tie_by_logprob(choice, reference)
+
+
+def test_a_grammar_past_its_timeout_holds_no_rank_and_constraints_hold_on_both(
+    qwen3_path: str, tmp_path: Path
+) -> None:
+    """Each rank compiles the grammars, and rank 0 alone says when one is ready or too late:
+    a costly schema holds neither rank's loop (before, every rank compiled it inside the step,
+    and the server stood still for its 5 s), it ends in a 400 at --grammar-timeout, and
+    constrained outputs hold with both ranks sampling under the masks."""
+    s = ServerProcess(
+        tmp_path, qwen3_path, *SETTINGS, "--tp", "2", "--max-model-len", "1024",
+        "--grammar-timeout", str(GRAMMAR_TIMEOUT),
+    )  # fmt: skip
+    try:
+        client = s.client()
+        before = s.metrics()
+        costly_body = {"guided_json": COSTLY_SCHEMA}
+        with ThreadPoolExecutor(1) as pool:
+            costly = pool.submit(
+                client.completions.create,
+                model=qwen3_path, prompt="x", max_tokens=5, extra_body=costly_body,
+            )  # fmt: skip
+            time.sleep(0.5)  # it reaches the scheduler first
+            plain = client.completions.create(model=qwen3_path, prompt="x", max_tokens=4)
+            assert not costly.done(), "answered after the costly grammar's end"
+            assert httpx.get(s.url + "/health").status_code == 200
+            with pytest.raises(openai.BadRequestError, match="too costly to compile"):
+                costly.result()
+        assert plain.usage.completion_tokens == 4
+        for seed, schema in enumerate(SCHEMAS):
+            out = client.completions.create(
+                model=qwen3_path, prompt=f"Item {seed}:", max_tokens=400, seed=seed,
+                extra_body={"guided_json": schema},
+            )  # fmt: skip
+            jsonschema.validate(json.loads(out.choices[0].text), schema)
+        choice = client.completions.create(
+            model=qwen3_path, prompt="Pick:", max_tokens=8, extra_body={"guided_regex": "(yes|no)"}
+        )
+        assert choice.choices[0].text in ("yes", "no")
+        assert_clean(s, before, qwen3_path)
+    finally:
+        s.stop()
 
 
 def _start_node1(tmp_path: Path) -> tuple[subprocess.Popen, tuple[str, ...]]:

@@ -57,6 +57,9 @@ class Grammars:
         # a few at once: one slow schema (a 12,000-value enum: 0.67 s) must not hold the others
         self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         self._compiler: Future[_Compiler] | None = None
+        # when (time.monotonic()) the compiler was built: Qwen3's tokenizer tables took 1.3 s on
+        # a 2-core CPU, which the first grammars' deadlines must not count
+        self.compiler_built_at: float | None = None
         self._compiled: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
         self._matchers: dict[int, Any] = {}
         self._waiting: dict[int, tuple[int, Any]] = {}  # rid -> (start token, matcher)
@@ -78,6 +81,16 @@ class Grammars:
         self._compiled.move_to_end(key)
         return future
 
+    def abandon(self, spec: StructuredOutput, compiled: Future[Any]) -> None:
+        """No request waits for this compile any more: forget it, and cancel it if no thread has
+        taken it yet (a flood of costly schemas whose requests are gone must not hold the
+        threads). Forgotten whether it began or not: every TP rank's cache stays the same, so
+        no rank finds a grammar cached that another must compile."""
+        compiled.cancel()
+        key = spec if spec.after is None else replace(spec, after=None)
+        if self._compiled.get(key) is compiled:
+            del self._compiled[key]
+
     def _new_compiler(self) -> _Compiler:
         import xgrammar
 
@@ -91,6 +104,7 @@ class Grammars:
         )
         # the grammars are cached here (CACHED_GRAMMARS), not again without bound in xgrammar
         compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.compiler_built_at = time.monotonic()
         return _Compiler(compiler, tokenizer)
 
     def check(self, spec: StructuredOutput, compiled: Future[Any]) -> tuple[Any, int | None]:

@@ -13,12 +13,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minisgl.messages import AbortRequest, AddRequests, FlushPrefixCache, decode, encode
+from minisgl.messages import (
+    AbortRequest,
+    AddRequests,
+    FlushPrefixCache,
+    GrammarVerdicts,
+    decode,
+    encode,
+)
 from minisgl.utils import init_logger
 
 logger = init_logger(__name__)
 
-Message = AddRequests | AbortRequest | FlushPrefixCache
+Message = AddRequests | AbortRequest | FlushPrefixCache | GrammarVerdicts
 _PING = -1  # the size of a turn that is none: rank 0 idles (`ping`)
 # the other ranks wait for rank 0's next turn for as long as it lives: a server or an offline LLM
 # may idle for days

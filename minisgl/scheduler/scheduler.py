@@ -15,11 +15,12 @@ mask needs the token the step samples.
 """
 
 import random
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from minisgl.core import Batch, FinishReason, Req, SamplingParams, TokenMasks, c
 from minisgl.engine.engine import Engine, ForwardOutput
 from minisgl.engine.sampler import SampleOutput
 from minisgl.kvcache.manager import KVCacheManager
-from minisgl.messages import Finished, ReqError, StepOutputs, TokenLogprobs
+from minisgl.messages import Finished, GrammarVerdicts, ReqError, StepOutputs, TokenLogprobs
 from minisgl.utils import init_logger
 
 from .batch_builder import build_batch
@@ -48,6 +49,14 @@ class SchedulerStats:
     steps: int = 0
 
 
+class _Compiling(NamedTuple):
+    """A request waiting for its grammar."""
+
+    req: Req
+    grammar: Future[Any]
+    submitted: float  # time.monotonic() when it asked for it
+
+
 @dataclass
 class _InFlight:
     batch: Batch
@@ -62,9 +71,9 @@ class Scheduler:
         eos_ids: tuple[int, ...],
         wait_for_grammars: bool = False,
     ) -> None:
-        """wait_for_grammars: compile a constrained request's grammar when it is added (a bad
-        one raises there), not on the side while other requests run: TP ranks must admit it in
-        the same step, and an offline run is then the same every time."""
+        """wait_for_grammars: `judge_grammars` waits for every grammar compiling (each up to its
+        deadline), so that an offline run is the same every time; else a server's requests wait
+        for theirs on the side while other requests run."""
         self.config = config
         self.engine = engine
         self.layout = layout = engine.layout
@@ -82,7 +91,7 @@ class Scheduler:
         self.grammars = Grammars(
             engine.config.model_path, layout.vocab_size, eos_ids, timed=engine.config.tp_size == 1
         )
-        self._compiling: dict[int, tuple[Req, Future[Any]]] = {}  # waiting for their grammar
+        self._compiling: dict[int, _Compiling] = {}  # by rid
         self._wait_for_grammars = wait_for_grammars
         self._errors: list[ReqError] = []  # requests whose grammar failed, for the next outputs
         self._processing_logits: set[int] = set()  # requests whose params process the logits
@@ -101,12 +110,7 @@ class Scheduler:
             if rid in self._reqs or rid in rids:
                 raise ValueError(f"request id {rid} is already in use")
             rids.add(rid)
-        if self._wait_for_grammars:
-            specs = dict.fromkeys(p.structured for _, _, p in requests if p.structured is not None)
-            compiled = {spec: self.grammars.compile(spec) for spec in specs}  # side by side
-            # checked in order: the first bad one's error is every rank's
-            for spec, future in compiled.items():
-                self.grammars.check(spec, future)
+        now = time.monotonic()
         for rid, prompt_ids, params in requests:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             req = Req(rid=rid, token_ids=list(prompt_ids), params=params, seed=seed)
@@ -118,7 +122,8 @@ class Scheduler:
             if params.structured is None:
                 self.waiting.append(req)
             else:
-                self._compiling[rid] = (req, self.grammars.compile(params.structured))
+                grammar = self.grammars.compile(params.structured)
+                self._compiling[rid] = _Compiling(req, grammar, now)
 
     def abort_request(self, rid: int) -> Finished | None:
         """Stop a request now; None if it is unknown or already finished."""
@@ -166,7 +171,6 @@ class Scheduler:
             done, self._in_flight = self._in_flight, None
         out = self._process(done) if done else StepOutputs()
         self._end_failed_matchers()  # before their next masks are filled
-        self._start_compiled()
         batch = self._schedule()
         launched = None
         if batch is not None:
@@ -189,24 +193,60 @@ class Scheduler:
                 self._finish(req, "abort", None)
                 self._errors.append(ReqError(rid, message))
 
-    def _start_compiled(self) -> None:
-        """Queue the requests whose grammar is ready; those whose grammar failed end in error."""
+    def judge_grammars(self) -> GrammarVerdicts | None:
+        """Rank 0's (or the only rank's) word on the requests waiting for their grammar: start
+        those compiled, refuse those that failed or are past their deadline (a compile begun
+        goes on: nothing can stop it). None if there is nothing to say."""
         if not self._compiling:
-            return
-        if not (self.waiting or self.running or self._in_flight):  # nothing else to do
-            futures = [future for _, future in self._compiling.values()]
-            wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
-        for rid, (req, future) in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[rid]
-            try:
-                self.grammars.start(rid, req.params.structured, future)
-            except ValueError as e:
-                self._forget(req)
-                self._errors.append(ReqError(rid, str(e)))
-                continue
-            self.waiting.append(req)
+            return None
+        pending = list(self._compiling.values())
+        if self._wait_for_grammars:
+            for entry in pending:
+                while not (entry.grammar.done() or self._overdue(entry, time.monotonic())):
+                    wait([entry.grammar], timeout=0.05)
+        elif not (self.waiting or self.running or self._in_flight):  # nothing else to do
+            wait([e.grammar for e in pending], timeout=0.05, return_when="FIRST_COMPLETED")
+        verdicts = GrammarVerdicts([], [], [])
+        now = time.monotonic()
+        for rid, entry in self._compiling.items():
+            req, grammar = entry.req, entry.grammar
+            if grammar.done():
+                try:
+                    self.grammars.check(req.params.structured, grammar)
+                except ValueError as e:
+                    verdicts.refused.append(rid)
+                    verdicts.reasons.append(str(e))
+                    continue
+                verdicts.started.append(rid)
+            elif self._overdue(entry, now):
+                verdicts.refused.append(rid)
+                verdicts.reasons.append(
+                    "structured output too costly to compile: its grammar was not ready within "
+                    f"{self.config.grammar_timeout:g} s (--grammar-timeout)"
+                )
+        return verdicts if verdicts.started or verdicts.refused else None
+
+    def _overdue(self, entry: _Compiling, now: float) -> bool:
+        """Past grammar_timeout, counted from its request's arrival or, if later, from when the
+        compiler was built (its tokenizer tables take seconds)."""
+        built = self.grammars.compiler_built_at
+        return (
+            built is not None and now - max(entry.submitted, built) >= self.config.grammar_timeout
+        )
+
+    def apply_verdicts(self, verdicts: GrammarVerdicts) -> None:
+        """Queue the started requests (each waiting here for its grammar, on a rank whose
+        compile is behind rank 0's); end the refused in error. A request aborted since is
+        skipped."""
+        for rid in verdicts.started:
+            entry = self._compiling.pop(rid, None)
+            if entry is not None:
+                self.grammars.start(rid, entry.req.params.structured, entry.grammar)
+                self.waiting.append(entry.req)
+        for rid, reason in zip(verdicts.refused, verdicts.reasons, strict=True):
+            if rid in self._compiling:
+                self._forget(self._compiling[rid].req)
+                self._errors.append(ReqError(rid, reason))
 
     def _process(self, step: _InFlight) -> StepOutputs:
         host = step.output.wait()
@@ -384,7 +424,11 @@ class Scheduler:
     def _forget(self, req: Req) -> None:
         """Drop every record of the request but its place in the queues and its KV."""
         del self._reqs[req.rid]
-        self._compiling.pop(req.rid, None)
+        compiling = self._compiling.pop(req.rid, None)
+        if compiling is not None and all(
+            other.grammar is not compiling.grammar for other in self._compiling.values()
+        ):
+            self.grammars.abandon(req.params.structured, compiling.grammar)
         self._processing_logits.discard(req.rid)
         self._prompt_logprobs.pop(req.rid, None)
         self.grammars.drop(req.rid)

@@ -2,7 +2,9 @@
 
 Rank 0 reads requests from the tokenizer and, before applying them, sends each step's messages to
 ranks 1..tp-1 (`lockstep`), so every rank adds and aborts the same requests in the same order and
-runs identical `step()`s (their forwards meet in the TP collectives). Only rank 0 sends outputs,
+runs identical `step()`s (their forwards meet in the TP collectives). Each rank compiles the
+grammars of its structured outputs; rank 0 alone says when a request's is ready or refused (its
+`GrammarVerdicts` travel with the messages), so no rank's compile time decides apart. Only rank 0 sends outputs,
 and a thread of its own sends a heartbeat every half second, however long a step takes. The
 offline LLM is rank 0 itself, and starts the other ranks as these processes.
 """
@@ -21,6 +23,7 @@ from minisgl.messages import (
     Addresses,
     Finished,
     FlushPrefixCache,
+    GrammarVerdicts,
     Heartbeat,
     Ready,
     ReqError,
@@ -61,8 +64,8 @@ class SchedulerWorker:
         self.last_turn = time.monotonic()  # when the serving loop last went round (the heartbeat's)
 
     def apply(self, messages: list[Message]) -> tuple[list[Finished], list[ReqError]]:
-        """Add and abort requests, flush the prefix cache; returns the aborted requests' ends and
-        the rejected ones."""
+        """Add and abort requests, flush the prefix cache, start or refuse requests whose grammar
+        was compiling; returns the aborted requests' ends and the rejected ones."""
         finished: list[Finished] = []
         errors: list[ReqError] = []
         for msg in messages:
@@ -78,6 +81,8 @@ class SchedulerWorker:
                     errors += [ReqError(rid, str(e)) for rid, _, _ in requests]
             elif isinstance(msg, FlushPrefixCache):
                 self.scheduler.flush_prefix_cache()
+            elif isinstance(msg, GrammarVerdicts):
+                self.scheduler.apply_verdicts(msg)
             else:
                 for rid in msg.rids:
                     aborted = self.scheduler.abort_request(rid)
@@ -115,9 +120,14 @@ class SchedulerWorker:
 
     def step(self, messages: list[Message]) -> StepOutputs:
         """Apply the messages, run one step; integrity is checked whenever the scheduler idles.
-        Rank 0 first sends the messages to the other ranks, which take the same step."""
-        if self.rank == 0 and self.lockstep is not None:
-            self.lockstep.send(messages)
+        Rank 0 first judges the grammars compiling and sends the messages, with its verdicts,
+        to the other ranks, which take the same step."""
+        if self.rank == 0:
+            verdicts = self.scheduler.judge_grammars()
+            if verdicts is not None:
+                messages = [*messages, verdicts]
+            if self.lockstep is not None:
+                self.lockstep.send(messages)
         aborted, errors = self.apply(messages)
         out = self.scheduler.step()
         out.finished[:0] = aborted
@@ -134,7 +144,7 @@ def start_worker(
     engine_config: EngineConfig, scheduler_config: SchedulerConfig, wait_for_grammars: bool
 ) -> SchedulerWorker:
     """This rank's engine and scheduler, returned once every rank has built its own.
-    wait_for_grammars: as `Scheduler`'s, the same on every rank (TP needs it)."""
+    wait_for_grammars: as `Scheduler`'s (read by rank 0 only, which judges the grammars)."""
     PREFIX_CACHES.get(scheduler_config.cache)  # an unknown name fails before the weights load
     engine = Engine(engine_config)
     scheduler = Scheduler(
@@ -153,8 +163,7 @@ def run_scheduler(
     engine_config: EngineConfig, scheduler_config: SchedulerConfig, addresses: Addresses
 ) -> None:
     """Rank 0's process entry point; runs until the process is terminated."""
-    # TP ranks admit requests in lockstep
-    worker = start_worker(engine_config, scheduler_config, engine_config.tp_size > 1)
+    worker = start_worker(engine_config, scheduler_config, wait_for_grammars=False)
     for line in worker.scheduler.engine.summary():
         logger.info(line)
     _serve_primary(worker, addresses)
@@ -163,7 +172,7 @@ def run_scheduler(
 def run_follower(engine_config: EngineConfig, scheduler_config: SchedulerConfig) -> None:
     """The process entry point of ranks 1..tp-1 (a server's or an offline LLM's): they take rank
     0's steps until it stops, or is gone."""
-    worker = start_worker(engine_config, scheduler_config, wait_for_grammars=True)
+    worker = start_worker(engine_config, scheduler_config, wait_for_grammars=False)
     assert worker.lockstep is not None
     while (messages := worker.lockstep.recv()) is not None:
         worker.step(messages)  # exactly the messages of rank 0's step

@@ -78,6 +78,8 @@ _HELP = {
     "dummy_weights": "random weights in the checkpoint's shape (a directory with only config.json "
     "and the tokenizer is enough): for speed measurements",
     "seed": "draws the sampling seed of requests that give none",
+    "grammar_timeout": "seconds a structured output's grammar may take to compile (its wait for "
+    "a grammar thread included); past it the request is a 400",
     "max_n": "choices per request at most (OpenAI's limit)",
     "max_prompts": "prompts per completions request at most (OpenAI's)",
     "max_request_bytes": "request body size at most; larger is a 413",
