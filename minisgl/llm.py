@@ -76,6 +76,7 @@ class LLM:
                 "minisgl.scheduler.worker:run_follower",
                 replace(engine_config, tp_rank=rank),
                 scheduler_config,
+                True,  # wait_for_grammars, as this rank's
             )
             for rank in range(1, engine_config.tp_size)
         ]

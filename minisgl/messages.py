@@ -110,14 +110,12 @@ class AddRequests:
 # ---------------------------------------------------------------------- scheduler rank 0 -> ranks
 @_wire
 @dataclass
-class GrammarVerdicts:
-    """Scheduler rank 0's word on requests whose grammar was compiling: start `started`, end
-    `refused` in error (`reasons`). Every TP rank applies it in the same turn, each waiting for
-    its own compile of a started one, so ranks whose compiles end at different times still
-    admit the same requests in the same step."""
+class EndRequests:
+    """Scheduler rank 0's: end these requests in error on every TP rank in the same turn (a
+    matcher step past its limit: only rank 0 times them, as the ranks' own times would
+    decide apart)."""
 
-    started: list[int]
-    refused: list[int]
+    rids: list[int]
     reasons: list[str]
 
 

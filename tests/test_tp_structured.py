@@ -1,6 +1,7 @@
 """Structured output under offline TP: each rank compiles the grammars, rank 0 alone says which
-requests start and which are refused (a grammar that fails, or is not ready within
-grammar_timeout), and rank 1 follows its word. A module of its own: an offline TP LLM holds the
+requests start and which end in error (a grammar that fails, or is not ready within
+grammar_timeout, or whose matcher takes too long a step: only rank 0 times them), and rank 1
+follows its word. A module of its own: an offline TP LLM holds the
 process's default group, which test_tp's engines hold until that module ends."""
 
 import json
@@ -11,16 +12,28 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.core import StructuredOutput
 
-from .test_structured_output import COSTLY_SCHEMA, GRAMMAR_TIMEOUT, SCHEMAS
+from .test_structured_output import COSTLY_SCHEMA, GRAMMAR_TIMEOUT, GROWING, SCHEMAS, SLOW_START
 from .test_tp import SETTINGS
+
+SETTINGS_1024 = dict(SETTINGS, max_kv_tokens=1024, max_model_len=1024)
+
+
+def _raises_and_both_ranks_go_on(llm: LLM, bad: StructuredOutput, match: str) -> None:
+    # min_tokens holds back the eos that would end a growing grammar's request
+    constrained = SamplingParams(max_tokens=64, min_tokens=64, structured=bad)
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=4), constrained], use_tqdm=False)
+    assert not llm.scheduler.has_work
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(["c"], greedy, use_tqdm=False)[0]["token_ids"]) == 4
+    llm.scheduler.check_integrity()
 
 
 def test_constraints_hold_on_both_ranks_and_a_bad_or_costly_grammar_raises(qwen3_path: str) -> None:
-    """Offline, rank 0 waits for every grammar up to grammar_timeout and tells rank 1 which
-    requests start: constrained outputs hold, a grammar that fails or comes too late raises, and
-    both ranks go on in step."""
-    settings = dict(SETTINGS, max_kv_tokens=1024, max_model_len=1024)
-    with LLM(qwen3_path, tp_size=2, grammar_timeout=GRAMMAR_TIMEOUT, **settings) as llm:
+    """Constrained outputs hold; a grammar that fails, or is too costly to match (its first
+    mask, or a step as it runs: both ran untimed under TP before, for as long as they took)
+    raises; and both ranks go on in step."""
+    with LLM(qwen3_path, tp_size=2, **SETTINGS_1024) as llm:
         params = [
             SamplingParams(seed=i, max_tokens=400, structured=StructuredOutput(json_schema=s))
             for i, s in enumerate(map(json.dumps, SCHEMAS))
@@ -30,14 +43,14 @@ def test_constraints_hold_on_both_ranks_and_a_bad_or_costly_grammar_raises(qwen3
             jsonschema.validate(json.loads(result["text"]), schema)
         for bad, match in (
             (StructuredOutput(regex="("), "invalid structured output"),
-            (StructuredOutput(json_schema=json.dumps(COSTLY_SCHEMA)), "too costly to compile"),
+            (StructuredOutput(regex=SLOW_START), "too costly to match .*first token"),
+            (StructuredOutput(grammar=GROWING), "too costly to match: a step took over"),
         ):
-            with pytest.raises(ValueError, match=match):
-                llm.generate(
-                    ["a", "b"], [SamplingParams(max_tokens=4), SamplingParams(structured=bad)],
-                    use_tqdm=False,
-                )  # fmt: skip
-            assert not llm.scheduler.has_work
-        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        assert len(llm.generate(["c"], greedy, use_tqdm=False)[0]["token_ids"]) == 4
-        llm.scheduler.check_integrity()
+            _raises_and_both_ranks_go_on(llm, bad, match)
+
+
+def test_a_grammar_past_its_timeout_raises_and_both_ranks_go_on(qwen3_path: str) -> None:
+    """Offline, rank 0 waits for each grammar up to grammar_timeout, then refuses it on both."""
+    with LLM(qwen3_path, tp_size=2, grammar_timeout=GRAMMAR_TIMEOUT, **SETTINGS_1024) as llm:
+        costly = StructuredOutput(json_schema=json.dumps(COSTLY_SCHEMA))
+        _raises_and_both_ranks_go_on(llm, costly, "too costly to compile")

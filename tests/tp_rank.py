@@ -23,7 +23,7 @@ def sample(
         max_running_requests=8, tp_rank=rank, tp_size=2, dist_init_method=dist_init_method,
     )  # fmt: skip
     engine = Engine(config)
-    scheduler = Scheduler(SchedulerConfig(seed=seed), engine, (), wait_for_grammars=True)
+    scheduler = Scheduler(SchedulerConfig(seed=seed), engine, ())
     scheduler.add_requests(requests)
     tokens: dict[int, list[int]] = {rid: [] for rid, _, _ in requests}
     while scheduler.has_work:

@@ -49,8 +49,8 @@ class Grammars:
     def __init__(
         self, model_path: Path, vocab_size: int, eos_ids: Sequence[int], timed: bool = True
     ) -> None:
-        """timed: hold matcher steps to MAX_MATCH_SECONDS (not under TP, whose ranks would each
-        time theirs, and decide apart)."""
+        """timed: hold matcher steps to MAX_MATCH_SECONDS (TP rank 0 only: the others follow its
+        verdicts, as their own times would decide apart)."""
         self._model_path = model_path
         self._vocab_size = vocab_size
         self._eos_ids = list(eos_ids)
@@ -65,6 +65,7 @@ class Grammars:
         self._waiting: dict[int, tuple[int, Any]] = {}  # rid -> (start token, matcher)
         self._timed = timed
         self._failed: list[tuple[int, str]] = []  # (request, why) whose matcher cannot go on
+        self._too_slow: list[tuple[int, str]] = []  # (request, why) whose matcher took too long
 
     def compile(self, spec: StructuredOutput) -> Future[Any]:
         """The constraint's compiled grammar (whatever token it starts after), compiling it on a
@@ -82,13 +83,11 @@ class Grammars:
         return future
 
     def abandon(self, spec: StructuredOutput, compiled: Future[Any]) -> None:
-        """No request waits for this compile any more: forget it, and cancel it if no thread has
-        taken it yet (a flood of costly schemas whose requests are gone must not hold the
-        threads). Forgotten whether it began or not: every TP rank's cache stays the same, so
-        no rank finds a grammar cached that another must compile."""
-        compiled.cancel()
+        """No request waits for this compile any more: drop it if no thread has taken it yet (a
+        flood of costly schemas whose requests are gone must not hold the threads). One begun
+        runs on (nothing can stop it) and stays cached: a retry finds it, not a second compile."""
         key = spec if spec.after is None else replace(spec, after=None)
-        if self._compiled.get(key) is compiled:
+        if compiled.cancel() and self._compiled.get(key) is compiled:
             del self._compiled[key]
 
     def _new_compiler(self) -> _Compiler:
@@ -184,13 +183,19 @@ class Grammars:
             message = (
                 f"structured output too costly to match: a step took over {MAX_MATCH_SECONDS} s"
             )
-            self._failed.append((rid, message))
+            self._too_slow.append((rid, message))
         return result
 
     def take_failed(self) -> list[tuple[int, str]]:
-        """The requests whose matcher cannot go on since the last call (a step past
-        MAX_MATCH_SECONDS, no token allowed next), and why: they are to be ended."""
+        """The requests whose matcher cannot go on since the last call (no token allowed next:
+        the same on every rank), and why: they are to be ended now."""
         found, self._failed = self._failed, []
+        return found
+
+    def take_too_slow(self) -> list[tuple[int, str]]:
+        """The requests whose matcher took a step past MAX_MATCH_SECONDS since the last call,
+        and why (timed only): rank 0 ends them on every rank in its next verdicts."""
+        found, self._too_slow = self._too_slow, []
         return found
 
     def drop(self, rid: int) -> None:

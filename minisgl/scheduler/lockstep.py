@@ -16,8 +16,8 @@ import torch.distributed as dist
 from minisgl.messages import (
     AbortRequest,
     AddRequests,
+    EndRequests,
     FlushPrefixCache,
-    GrammarVerdicts,
     decode,
     encode,
 )
@@ -25,7 +25,7 @@ from minisgl.utils import init_logger
 
 logger = init_logger(__name__)
 
-Message = AddRequests | AbortRequest | FlushPrefixCache | GrammarVerdicts
+Message = AddRequests | AbortRequest | FlushPrefixCache | EndRequests
 _PING = -1  # the size of a turn that is none: rank 0 idles (`ping`)
 # the other ranks wait for rank 0's next turn for as long as it lives: a server or an offline LLM
 # may idle for days
@@ -51,6 +51,13 @@ class Lockstep:
             dist.broadcast(torch.tensor([_PING]), 0, group=self._group)
         except RuntimeError as e:
             raise RuntimeError(f"rank 0: another TP rank is gone ({e})") from None
+
+    def agree(self, flags: list[int]) -> list[int]:
+        """Every rank's flags combined by their minimum: each rank calls it at the same point of
+        the same turn, with as many flags."""
+        combined = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(combined, dist.ReduceOp.MIN, group=self._group)
+        return combined.tolist()
 
     def recv(self) -> list[Message] | None:
         """Ranks 1..tp-1: rank 0's next turn; None once rank 0 has stopped, or is gone."""

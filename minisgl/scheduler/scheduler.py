@@ -11,13 +11,14 @@ One step (`step()`):
 With overlap on, step k+1 is scheduled and launched before step k's results are processed, so
 the CPU work of one step hides behind the GPU work of the other. A step with a constrained
 request (structured output) is processed before the next is scheduled: that request's next token
-mask needs the token the step samples.
+mask needs the token the step samples. It enters the queue once its grammar has compiled on every
+rank: the worker settles that before each step (`grammar_flags`, `settle_grammars`).
 """
 
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ from minisgl.core import Batch, FinishReason, Req, SamplingParams, TokenMasks, c
 from minisgl.engine.engine import Engine, ForwardOutput
 from minisgl.engine.sampler import SampleOutput
 from minisgl.kvcache.manager import KVCacheManager
-from minisgl.messages import Finished, GrammarVerdicts, ReqError, StepOutputs, TokenLogprobs
+from minisgl.messages import EndRequests, Finished, ReqError, StepOutputs, TokenLogprobs
 from minisgl.utils import init_logger
 
 from .batch_builder import build_batch
@@ -71,7 +72,7 @@ class Scheduler:
         eos_ids: tuple[int, ...],
         wait_for_grammars: bool = False,
     ) -> None:
-        """wait_for_grammars: `judge_grammars` waits for every grammar compiling (each up to its
+        """wait_for_grammars: `grammar_flags` waits for every grammar compiling (each up to its
         deadline), so that an offline run is the same every time; else a server's requests wait
         for theirs on the side while other requests run."""
         self.config = config
@@ -89,9 +90,10 @@ class Scheduler:
         self._in_flight: _InFlight | None = None
         self._rng = random.Random(config.seed)
         self.grammars = Grammars(
-            engine.config.model_path, layout.vocab_size, eos_ids, timed=engine.config.tp_size == 1
+            engine.config.model_path, layout.vocab_size, eos_ids, timed=engine.config.tp_rank == 0
         )
         self._compiling: dict[int, _Compiling] = {}  # by rid
+        self._refusals: dict[int, str] = {}  # why rank 0 refuses a request compiling, by rid
         self._wait_for_grammars = wait_for_grammars
         self._errors: list[ReqError] = []  # requests whose grammar failed, for the next outputs
         self._processing_logits: set[int] = set()  # requests whose params process the logits
@@ -186,45 +188,69 @@ class Scheduler:
         return out
 
     def _end_failed_matchers(self) -> None:
-        """End in error each request whose matcher cannot go on (its Finished is not sent: the
-        error is)."""
-        for rid, message in self.grammars.take_failed():
+        """End in error each request whose matcher cannot go on."""
+        self._end_in_error(self.grammars.take_failed())
+
+    def _end_in_error(self, ended: Iterable[tuple[int, str]]) -> None:
+        """End each request (rid, why) in error, whatever its stage (its Finished is not sent:
+        the error is); one that ended already is skipped."""
+        for rid, message in ended:
             if (req := self._reqs.get(rid)) is not None:
                 self._finish(req, "abort", None)
                 self._errors.append(ReqError(rid, message))
 
-    def judge_grammars(self) -> GrammarVerdicts | None:
-        """Rank 0's (or the only rank's) word on the requests waiting for their grammar: start
-        those compiled, refuse those that failed or are past their deadline (a compile begun
-        goes on: nothing can stop it). None if there is nothing to say."""
-        if not self._compiling:
-            return None
+    def take_too_slow(self) -> EndRequests | None:
+        """Rank 0's (or the only rank's): the requests whose matcher took a step past
+        MAX_MATCH_SECONDS, for every rank to end (only rank 0 times them)."""
+        found = self.grammars.take_too_slow()
+        return EndRequests(*map(list, zip(*found, strict=True))) if found else None
+
+    def end_requests(self, msg: EndRequests) -> None:
+        self._end_in_error(zip(msg.rids, msg.reasons, strict=True))
+
+    @property
+    def compiling(self) -> int:
+        """Requests waiting for their grammar (the same on every TP rank)."""
+        return len(self._compiling)
+
+    def grammar_flags(self, leader: bool) -> list[int]:
+        """This rank's word on each request waiting for its grammar, in an order every rank
+        shares, as 2 x `compiling` ints that TP ranks combine by their minimum (`settle_grammars`
+        reads them): 1 where its compile has ended here (0: not yet), then -1 where the leader
+        (rank 0) refuses it: its compile failed, or it is past its deadline (a compile begun
+        goes on: nothing can stop it). First waits, for each compile up to its deadline with
+        wait_for_grammars, else a moment where nothing else is to do."""
         pending = list(self._compiling.values())
         if self._wait_for_grammars:
             for entry in pending:
                 while not (entry.grammar.done() or self._overdue(entry, time.monotonic())):
                     wait([entry.grammar], timeout=0.05)
-        elif not (self.waiting or self.running or self._in_flight):  # nothing else to do
+        elif leader and not (self.waiting or self.running or self._in_flight):
             wait([e.grammar for e in pending], timeout=0.05, return_when="FIRST_COMPLETED")
-        verdicts = GrammarVerdicts([], [], [])
         now = time.monotonic()
+        done, refused = [], []
         for rid, entry in self._compiling.items():
-            req, grammar = entry.req, entry.grammar
-            if grammar.done():
-                try:
-                    self.grammars.check(req.params.structured, grammar)
-                except ValueError as e:
-                    verdicts.refused.append(rid)
-                    verdicts.reasons.append(str(e))
-                    continue
-                verdicts.started.append(rid)
-            elif self._overdue(entry, now):
-                verdicts.refused.append(rid)
-                verdicts.reasons.append(
-                    "structured output too costly to compile: its grammar was not ready within "
-                    f"{self.config.grammar_timeout:g} s (--grammar-timeout)"
-                )
-        return verdicts if verdicts.started or verdicts.refused else None
+            done.append(int(entry.grammar.done()))
+            reason = self._refusal(entry, now) if leader else None
+            if reason is not None:
+                self._refusals[rid] = reason
+            refused.append(-1 if reason is not None else 0)
+        return done + refused
+
+    def _refusal(self, entry: _Compiling, now: float) -> str | None:
+        if entry.grammar.done():
+            try:
+                self.grammars.check(entry.req.params.structured, entry.grammar)
+            except ValueError as e:
+                return str(e)
+            return None
+        if not self._overdue(entry, now):
+            return None
+        why = "compile" if entry.grammar.running() else "get a grammar thread (all were busy)"
+        return (
+            f"structured output too costly to compile: its grammar did not {why} within "
+            f"{self.config.grammar_timeout:g} s (--grammar-timeout)"
+        )
 
     def _overdue(self, entry: _Compiling, now: float) -> bool:
         """Past grammar_timeout, counted from its request's arrival or, if later, from when the
@@ -234,19 +260,20 @@ class Scheduler:
             built is not None and now - max(entry.submitted, built) >= self.config.grammar_timeout
         )
 
-    def apply_verdicts(self, verdicts: GrammarVerdicts) -> None:
-        """Queue the started requests (each waiting here for its grammar, on a rank whose
-        compile is behind rank 0's); end the refused in error. A request aborted since is
-        skipped."""
-        for rid in verdicts.started:
-            entry = self._compiling.pop(rid, None)
-            if entry is not None:
+    def settle_grammars(self, flags: list[int]) -> None:
+        """Given every rank's `grammar_flags` combined by their minimum: end in error the
+        requests the leader refused, queue those whose grammar every rank has compiled; the
+        rest wait on. No rank waits for another's compile."""
+        entries = list(self._compiling.items())
+        done, refused = flags[: len(entries)], flags[len(entries) :]
+        for (rid, entry), ready, refuse in zip(entries, done, refused, strict=True):
+            if refuse:
+                # only the leader knows why, and only its errors are sent
+                self._end_in_error([(rid, self._refusals.pop(rid, "refused by rank 0"))])
+            elif ready:
+                del self._compiling[rid]
                 self.grammars.start(rid, entry.req.params.structured, entry.grammar)
                 self.waiting.append(entry.req)
-        for rid, reason in zip(verdicts.refused, verdicts.reasons, strict=True):
-            if rid in self._compiling:
-                self._forget(self._compiling[rid].req)
-                self._errors.append(ReqError(rid, reason))
 
     def _process(self, step: _InFlight) -> StepOutputs:
         host = step.output.wait()

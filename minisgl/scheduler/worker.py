@@ -3,10 +3,12 @@
 Rank 0 reads requests from the tokenizer and, before applying them, sends each step's messages to
 ranks 1..tp-1 (`lockstep`), so every rank adds and aborts the same requests in the same order and
 runs identical `step()`s (their forwards meet in the TP collectives). Each rank compiles the
-grammars of its structured outputs; rank 0 alone says when a request's is ready or refused (its
-`GrammarVerdicts` travel with the messages), so no rank's compile time decides apart. Only rank 0 sends outputs,
-and a thread of its own sends a heartbeat every half second, however long a step takes. The
-offline LLM is rank 0 itself, and starts the other ranks as these processes.
+grammars of its structured outputs on threads of its own; a request starts once every rank has
+its grammar (their flags combined in one all-reduce a turn while any compiles), and only rank 0
+refuses one (past its deadline) or ends one (a matcher step too long), so no rank's own clock
+decides apart. Only rank 0 sends outputs, and a thread of its own sends a heartbeat every half
+second, however long a step takes. The offline LLM is rank 0 itself, and starts the other ranks
+as these processes.
 """
 
 import threading
@@ -21,9 +23,9 @@ from minisgl.kvcache import PREFIX_CACHES, IntegrityError
 from minisgl.messages import (
     AddRequests,
     Addresses,
+    EndRequests,
     Finished,
     FlushPrefixCache,
-    GrammarVerdicts,
     Heartbeat,
     Ready,
     ReqError,
@@ -64,8 +66,8 @@ class SchedulerWorker:
         self.last_turn = time.monotonic()  # when the serving loop last went round (the heartbeat's)
 
     def apply(self, messages: list[Message]) -> tuple[list[Finished], list[ReqError]]:
-        """Add and abort requests, flush the prefix cache, start or refuse requests whose grammar
-        was compiling; returns the aborted requests' ends and the rejected ones."""
+        """Add, abort and end requests, flush the prefix cache; returns the aborted requests'
+        ends and the rejected ones."""
         finished: list[Finished] = []
         errors: list[ReqError] = []
         for msg in messages:
@@ -81,8 +83,8 @@ class SchedulerWorker:
                     errors += [ReqError(rid, str(e)) for rid, _, _ in requests]
             elif isinstance(msg, FlushPrefixCache):
                 self.scheduler.flush_prefix_cache()
-            elif isinstance(msg, GrammarVerdicts):
-                self.scheduler.apply_verdicts(msg)
+            elif isinstance(msg, EndRequests):
+                self.scheduler.end_requests(msg)
             else:
                 for rid in msg.rids:
                     aborted = self.scheduler.abort_request(rid)
@@ -119,16 +121,20 @@ class SchedulerWorker:
         )
 
     def step(self, messages: list[Message]) -> StepOutputs:
-        """Apply the messages, run one step; integrity is checked whenever the scheduler idles.
-        Rank 0 first judges the grammars compiling and sends the messages, with its verdicts,
-        to the other ranks, which take the same step."""
+        """Apply the messages, settle the grammars compiling, run one step; integrity is checked
+        whenever the scheduler idles. Rank 0 first sends the messages (with the requests it
+        ends) to the other ranks, which take the same step."""
         if self.rank == 0:
-            verdicts = self.scheduler.judge_grammars()
-            if verdicts is not None:
-                messages = [*messages, verdicts]
+            if (ended := self.scheduler.take_too_slow()) is not None:
+                messages = [*messages, ended]
             if self.lockstep is not None:
                 self.lockstep.send(messages)
         aborted, errors = self.apply(messages)
+        if self.scheduler.compiling:  # as many on every rank: the same messages added them
+            flags = self.scheduler.grammar_flags(leader=self.rank == 0)
+            if self.lockstep is not None:
+                flags = self.lockstep.agree(flags)
+            self.scheduler.settle_grammars(flags)
         out = self.scheduler.step()
         out.finished[:0] = aborted
         out.errors[:0] = errors
@@ -144,7 +150,7 @@ def start_worker(
     engine_config: EngineConfig, scheduler_config: SchedulerConfig, wait_for_grammars: bool
 ) -> SchedulerWorker:
     """This rank's engine and scheduler, returned once every rank has built its own.
-    wait_for_grammars: as `Scheduler`'s (read by rank 0 only, which judges the grammars)."""
+    wait_for_grammars: as `Scheduler`'s, the same on every rank (an offline LLM's)."""
     PREFIX_CACHES.get(scheduler_config.cache)  # an unknown name fails before the weights load
     engine = Engine(engine_config)
     scheduler = Scheduler(
@@ -169,10 +175,12 @@ def run_scheduler(
     _serve_primary(worker, addresses)
 
 
-def run_follower(engine_config: EngineConfig, scheduler_config: SchedulerConfig) -> None:
-    """The process entry point of ranks 1..tp-1 (a server's or an offline LLM's): they take rank
-    0's steps until it stops, or is gone."""
-    worker = start_worker(engine_config, scheduler_config, wait_for_grammars=False)
+def run_follower(
+    engine_config: EngineConfig, scheduler_config: SchedulerConfig, wait_for_grammars: bool
+) -> None:
+    """The process entry point of ranks 1..tp-1 (a server's or an offline LLM's, which waits for
+    its grammars): they take rank 0's steps until it stops, or is gone."""
+    worker = start_worker(engine_config, scheduler_config, wait_for_grammars)
     assert worker.lockstep is not None
     while (messages := worker.lockstep.recv()) is not None:
         worker.step(messages)  # exactly the messages of rank 0's step

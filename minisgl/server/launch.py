@@ -119,7 +119,7 @@ def _start(
         if rank == 0:
             entry, entry_args = "run_scheduler", (engine, args.scheduler, addresses)
         else:
-            entry, entry_args = "run_follower", (engine, args.scheduler)
+            entry, entry_args = "run_follower", (engine, args.scheduler, False)
         children.append((f"scheduler-{rank}", f"minisgl.scheduler.worker:{entry}", entry_args))
     if args.node_rank == 0:
         tokenizer_args = (args.engine.model_path, addresses, args.chat_template)
