@@ -18,6 +18,7 @@ Prompts that cannot be served are answered with an error here, before they reach
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from minisgl.messages import (
     AbortRequest,
     AddRequests,
     Addresses,
+    Finished,
     Heartbeat,
     Ready,
     ReqError,
@@ -233,7 +235,6 @@ def run_tokenizer(model_path: Path, addresses: Addresses, chat_template: str | N
     bulk = Tokenize(load_tokenizer(model_path), chat_template, new)
     bulk_jobs: queue.SimpleQueue[TokenizeRequest | TokenizerQuery] = queue.SimpleQueue()
     tokenized = bind_pull(ctx, _TOKENIZED)
-    threading.Thread(target=_bulk_loop, args=(bulk, bulk_jobs, ctx), daemon=True).start()
     lanes = _Lanes(
         Tokenize(load_tokenizer(model_path), chat_template, new),
         bulk,
@@ -241,6 +242,9 @@ def run_tokenizer(model_path: Path, addresses: Addresses, chat_template: str | N
         connect_push(ctx, addresses.scheduler),
         connect_push(ctx, addresses.api),
     )
+    threading.Thread(
+        target=_bulk_loop, args=(bulk, bulk_jobs, ctx, lanes.all_aborted), daemon=True
+    ).start()
     requests = bind_pull(ctx, addresses.tokenizer)
     poller = zmq.Poller()
     poller.register(requests, zmq.POLLIN)
@@ -257,7 +261,8 @@ def run_tokenizer(model_path: Path, addresses: Addresses, chat_template: str | N
 class _Lanes:
     """The tokenize thread's messages: requests and queries answered here, or, past BULK_BYTES,
     on the bulk thread, whose answers come back to `forward`. A request aborted while the bulk
-    thread holds it is aborted right after it is sent on (the scheduler ends it as any other)."""
+    thread holds it is aborted right after it is sent on (the scheduler ends it as any other),
+    or, if the bulk thread had not begun it, ended unread."""
 
     def __init__(
         self,
@@ -291,14 +296,19 @@ class _Lanes:
             # the detokenizer goes with the scheduler's end of the request, like any other
             send(self._to_scheduler, msg)
 
+    def all_aborted(self, rids: list[int]) -> bool:
+        """Every one of these bulk requests was aborted (read by the bulk thread: one set
+        lookup at a time, each whole under the GIL)."""
+        return all(rid in self._aborted for rid in rids)
+
     def forward(self, result: AddRequests | TextOutputs | TokenizerAnswer) -> None:
         """A request's prompts on to the scheduler (then its abort, if it came meanwhile), or
-        its error or a query's answer back to the API server."""
+        its error, its end unread, or a query's answer back to the API server."""
         if isinstance(result, TokenizerAnswer):
             send(self._to_api, result)
             return
         if isinstance(result, TextOutputs):
-            rids = [error.rid for error in result.errors]
+            rids = [error.rid for error in result.errors] + [end.rid for end in result.finished]
         else:
             rids = [rid for prompt_rids in result.rids for rid in prompt_rids]
         self._in_bulk.difference_update(rids)
@@ -313,11 +323,22 @@ def _bulk_loop(
     tokenize: Tokenize,
     jobs: queue.SimpleQueue[TokenizeRequest | TokenizerQuery],
     ctx: zmq.Context,
+    all_aborted: Callable[[list[int]], bool],
 ) -> None:
+    """The bulk thread's loop. A request whose client left before its turn ends unread: 12.6 MB
+    of text took 9 s to tokenize, which the requests queued behind it would wait for."""
     answers = connect_push(ctx, _TOKENIZED)
     while True:
         job = jobs.get()
-        send(answers, tokenize(job) if isinstance(job, TokenizeRequest) else tokenize.answer(job))
+        if isinstance(job, TokenizerQuery):
+            send(answers, tokenize.answer(job))
+        elif all_aborted(job.rids):
+            send(
+                answers,
+                TextOutputs(finished=[Finished(r, "abort", None, 0, 0, 0) for r in job.rids]),
+            )
+        else:
+            send(answers, tokenize(job))
 
 
 def _detokenize_loop(

@@ -20,6 +20,7 @@ from .checks import (
     FIRST_TOKENS,
     GENERATED,
     MODEL,
+    PROMPT_TOKENS,
     assert_clean,
     assert_openai_error,
     delta,
@@ -274,6 +275,29 @@ def test_a_client_that_leaves_while_its_long_prompts_are_tokenized_is_aborted(
     client.leave()
     after = wait_for_metrics(server, lambda m: ended(before, m) >= len(prompts), 120)
     assert delta(before, after, finished("abort")) == len(prompts)
+    assert_clean(server, before)
+
+
+def test_a_client_that_leaves_before_its_long_prompts_are_tokenized_is_never_tokenized(
+    server: ServerProcess,
+) -> None:
+    """Queued behind another long request, its requests end unread: no prompt token of theirs
+    is counted (before, all 7 MB were tokenized, ~5 s, and then aborted)."""
+    before = server.metrics()
+    first = {"model": MODEL, "prompt": "Once upon a time there was a girl. " * 130_000}  # ~3 s
+    prompts = ["Once upon a time there was a girl. " * 100] * 2048
+    left = {"model": MODEL, "prompt": prompts, "max_tokens": 64, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(_post_json, server, COMPLETIONS, first)
+        time.sleep(0.5)  # the first is read and passed on (~0.2 s here)
+        client = RawRequest(server, COMPLETIONS, left)
+        time.sleep(0.5)
+        assert not refused.done()  # the bulk thread still tokenizes the first
+        client.leave()
+        assert_openai_error(refused.result(), 400)  # too long for the context
+    after = wait_for_metrics(server, lambda m: ended(before, m) >= len(prompts), 120)
+    assert delta(before, after, finished("abort")) == len(prompts)
+    assert delta(before, after, PROMPT_TOKENS) == 0
     assert_clean(server, before)
 
 
