@@ -41,6 +41,7 @@ from minisgl.server.protocol import template_messages
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 from minisgl.utils import resolve_model_path, sampling_defaults
+from minisgl.utils.interrupts import deferred_interrupts
 from minisgl.utils.process import local_init_method, start_child
 from minisgl.utils.torch_utils import resolve_device
 
@@ -89,6 +90,14 @@ class LLM:
         self.engine = self.scheduler.engine
         self._close = weakref.finalize(self, _stop_followers, self._worker, followers)
         self._rids = itertools.count()
+
+    def _step(self, messages: list[Message]) -> StepOutputs:
+        """One turn of every rank. Under TP a Ctrl-C takes effect at its end: cut short, rank 0
+        would leave the others in a collective it never joins."""
+        if self.engine.config.tp_size == 1:
+            return self._worker.step(messages)
+        with deferred_interrupts():
+            return self._worker.step(messages)
 
     def close(self) -> None:
         """Stop the other TP ranks' processes and leave the TP group (at TP 1: nothing to do).
@@ -173,7 +182,7 @@ class LLM:
         runs: dict[int, _Run] = {}
         try:
             # the server's way in: every rank applies the same messages in the same step
-            out = self._worker.step([add])
+            out = self._step([add])
             if out.errors:  # none was added, or one ended in its first step
                 raise ValueError(out.errors[0].message)
             runs = {
@@ -187,7 +196,7 @@ class LLM:
             # of a step that was cut off before it wrote them
             ended = {rid for rid, run in runs.items() if run.result["finish_reason"] is not None}
             unfinished = [rid for rid in itertools.chain(*add.rids) if rid not in ended]
-            self._worker.step([AbortRequest(unfinished), FlushPrefixCache()])
+            self._step([AbortRequest(unfinished), FlushPrefixCache()])
             raise
         return [runs[rid].result for rid in itertools.chain(*add.rids)]
 
@@ -203,11 +212,11 @@ class LLM:
                 messages: list[Message] = [AbortRequest(stopped)] if stopped else []
                 if not messages and not self.scheduler.has_work:
                     return
-                out = self._worker.step(messages)
+                out = self._step(messages)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's `reset_prefix_cache`), on every TP rank."""
-        self._worker.step([FlushPrefixCache()])
+        self._step([FlushPrefixCache()])
 
     def chat(
         self,

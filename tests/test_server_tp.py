@@ -111,8 +111,8 @@ def test_tp2_moe_greedy_tokens_equal_tp1(checkpoint, tmp_path_factory) -> None:
 def test_a_grammar_past_its_timeout_holds_no_rank_and_constraints_hold_on_both(
     qwen3_path: str, tmp_path: Path
 ) -> None:
-    """Each rank compiles the grammars, and rank 0 alone says when one is ready or too late:
-    a costly schema holds neither rank's loop (before, every rank compiled it inside the step,
+    """Each rank compiles the grammars, a request starts once every rank has its grammar, and
+    rank 0 alone says when one is too late: a costly schema holds neither rank's loop (before, every rank compiled it inside the step,
     and the server stood still for its 5 s), it ends in a 400 at --grammar-timeout, and
     constrained outputs hold with both ranks sampling under the masks."""
     s = ServerProcess(

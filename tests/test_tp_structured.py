@@ -1,10 +1,12 @@
-"""Structured output under offline TP: each rank compiles the grammars, rank 0 alone says which
-requests start and which end in error (a grammar that fails, or is not ready within
-grammar_timeout, or whose matcher takes too long a step: only rank 0 times them), and rank 1
-follows its word. A module of its own: an offline TP LLM holds the
-process's default group, which test_tp's engines hold until that module ends."""
+"""Structured output under offline TP: each rank compiles the grammars; a request starts once
+every rank has its grammar, and only rank 0 ends one in error (a grammar that fails there, or is
+not ready within grammar_timeout, or whose matcher takes too long a step: only rank 0 times
+them). A module of its own: an offline TP LLM holds the process's default group, which
+test_tp's engines hold until that module ends."""
 
 import json
+import signal
+import threading
 
 import jsonschema
 import pytest
@@ -54,3 +56,24 @@ def test_a_grammar_past_its_timeout_raises_and_both_ranks_go_on(qwen3_path: str)
     with LLM(qwen3_path, tp_size=2, grammar_timeout=GRAMMAR_TIMEOUT, **SETTINGS_1024) as llm:
         costly = StructuredOutput(json_schema=json.dumps(COSTLY_SCHEMA))
         _raises_and_both_ranks_go_on(llm, costly, "too costly to compile")
+
+
+def test_ctrl_c_while_a_grammar_compiles_leaves_both_ranks_in_step(qwen3_path: str) -> None:
+    """Ctrl-C while rank 0 waits for a grammar takes effect at the end of the turn. Before, it
+    cut the turn short: rank 1 waited in the flags' all-reduce, rank 0's next turn in its
+    broadcast, both for good."""
+    with LLM(qwen3_path, tp_size=2, **SETTINGS_1024) as llm:
+        costly = SamplingParams(
+            max_tokens=4, structured=StructuredOutput(json_schema=json.dumps(COSTLY_SCHEMA))
+        )
+        timer = threading.Timer(1.0, signal.raise_signal, (signal.SIGINT,))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(["a"], costly, use_tqdm=False)
+        finally:
+            timer.cancel()
+        assert not llm.scheduler.has_work
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate(["c"], greedy, use_tqdm=False)[0]["token_ids"]) == 4
+        llm.scheduler.check_integrity()

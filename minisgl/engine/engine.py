@@ -163,7 +163,9 @@ class Engine:
                 )
         else:
             if self.device.type == "cuda" or c.gpu_memory_utilization is not None:
-                used_by_model = free_before - _free_memory(self.device)
+                # at least 0: on the CPU, memory other processes give back while the model loads
+                # raised the free figure once, and a share too small to hold a request built
+                used_by_model = max(0, free_before - _free_memory(self.device))
                 share = c.gpu_memory_utilization or _GPU_MEMORY_UTILIZATION
                 budget = int(share * free_before) - used_by_model
             else:

@@ -33,6 +33,7 @@ from minisgl.engine.sampler import SampleOutput
 from minisgl.kvcache.manager import KVCacheManager
 from minisgl.messages import EndRequests, Finished, ReqError, StepOutputs, TokenLogprobs
 from minisgl.utils import init_logger
+from minisgl.utils.interrupts import interrupt_pending
 
 from .batch_builder import build_batch
 from .grammar import Grammars
@@ -215,42 +216,43 @@ class Scheduler:
 
     def grammar_flags(self, leader: bool) -> list[int]:
         """This rank's word on each request waiting for its grammar, in an order every rank
-        shares, as 2 x `compiling` ints that TP ranks combine by their minimum (`settle_grammars`
-        reads them): 1 where its compile has ended here (0: not yet), then -1 where the leader
-        (rank 0) refuses it: its compile failed, or it is past its deadline (a compile begun
-        goes on: nothing can stop it). First waits, for each compile up to its deadline with
-        wait_for_grammars, else a moment where nothing else is to do."""
-        pending = list(self._compiling.values())
+        shares: 3 x `compiling` ints that the TP ranks combine by their minimum
+        (`settle_grammars` reads them): 1 where its compile has ended here, else 0; then, from
+        the leader (rank 0) only, -1 where its compile failed there; then -1 where it is past
+        its deadline (a compile begun goes on: nothing can stop it). First waits: with
+        wait_for_grammars for each compile here up to its deadline; else, where nothing else
+        is to do, up to 50 ms for one still compiling here."""
+        entries = list(self._compiling.values())
+        pending = [e.grammar for e in entries if not e.grammar.done()]
         if self._wait_for_grammars:
-            for entry in pending:
-                while not (entry.grammar.done() or self._overdue(entry, time.monotonic())):
+            for entry in entries:
+                while not (
+                    entry.grammar.done()
+                    or self._overdue(entry, time.monotonic())
+                    or interrupt_pending()
+                ):
                     wait([entry.grammar], timeout=0.05)
-        elif leader and not (self.waiting or self.running or self._in_flight):
-            wait([e.grammar for e in pending], timeout=0.05, return_when="FIRST_COMPLETED")
+        elif pending and not (self.waiting or self.running or self._in_flight):
+            wait(pending, timeout=0.05, return_when="FIRST_COMPLETED")
         now = time.monotonic()
-        done, refused = [], []
-        for rid, entry in self._compiling.items():
-            done.append(int(entry.grammar.done()))
-            reason = self._refusal(entry, now) if leader else None
-            if reason is not None:
-                self._refusals[rid] = reason
-            refused.append(-1 if reason is not None else 0)
-        return done + refused
+        done = [int(e.grammar.done()) for e in entries]
+        failed, overdue = [0] * len(entries), [0] * len(entries)
+        if leader:
+            for i, (rid, entry) in enumerate(self._compiling.items()):
+                if (reason := self._failure(entry)) is not None:
+                    self._refusals[rid], failed[i] = reason, -1
+                overdue[i] = -int(self._overdue(entry, now))
+        return done + failed + overdue
 
-    def _refusal(self, entry: _Compiling, now: float) -> str | None:
-        if entry.grammar.done():
-            try:
-                self.grammars.check(entry.req.params.structured, entry.grammar)
-            except ValueError as e:
-                return str(e)
+    def _failure(self, entry: _Compiling) -> str | None:
+        """Why its compile failed here; None while it runs, or if it compiled."""
+        if not entry.grammar.done():
             return None
-        if not self._overdue(entry, now):
-            return None
-        why = "compile" if entry.grammar.running() else "get a grammar thread (all were busy)"
-        return (
-            f"structured output too costly to compile: its grammar did not {why} within "
-            f"{self.config.grammar_timeout:g} s (--grammar-timeout)"
-        )
+        try:
+            self.grammars.check(entry.req.params.structured, entry.grammar)
+        except ValueError as e:
+            return str(e)
+        return None
 
     def _overdue(self, entry: _Compiling, now: float) -> bool:
         """Past grammar_timeout, counted from its request's arrival or, if later, from when the
@@ -261,19 +263,26 @@ class Scheduler:
         )
 
     def settle_grammars(self, flags: list[int]) -> None:
-        """Given every rank's `grammar_flags` combined by their minimum: end in error the
-        requests the leader refused, queue those whose grammar every rank has compiled; the
-        rest wait on. No rank waits for another's compile."""
+        """Given every rank's `grammar_flags` combined by their minimum: end in error a request
+        whose compile failed on the leader; queue one compiled on every rank; end one past its
+        deadline (on the leader's clock) that some rank has not compiled; the rest wait on."""
         entries = list(self._compiling.items())
-        done, refused = flags[: len(entries)], flags[len(entries) :]
-        for (rid, entry), ready, refuse in zip(entries, done, refused, strict=True):
-            if refuse:
-                # only the leader knows why, and only its errors are sent
-                self._end_in_error([(rid, self._refusals.pop(rid, "refused by rank 0"))])
+        n = len(entries)
+        done, failed, overdue = flags[:n], flags[n : 2 * n], flags[2 * n :]
+        for (rid, entry), ready, fail, late in zip(entries, done, failed, overdue, strict=True):
+            if fail:  # only the leader knows why, and only its errors are sent
+                self._end_in_error([(rid, self._refusals.pop(rid, "its grammar failed"))])
             elif ready:
                 del self._compiling[rid]
                 self.grammars.start(rid, entry.req.params.structured, entry.grammar)
                 self.waiting.append(entry.req)
+            elif late:
+                why = "compile" if entry.grammar.running() else "get a grammar thread (all busy)"
+                message = (
+                    f"structured output too costly to compile: its grammar did not {why} within "
+                    f"{self.config.grammar_timeout:g} s (--grammar-timeout)"
+                )
+                self._end_in_error([(rid, message)])
 
     def _process(self, step: _InFlight) -> StepOutputs:
         host = step.output.wait()
