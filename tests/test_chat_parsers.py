@@ -13,6 +13,7 @@ from minisgl.messages import Finished
 from minisgl.server.reasoning import Qwen3ReasoningParser
 from minisgl.server.responses import ChatFormat, Choice, ReplyParser
 from minisgl.server.tool_parser import (
+    MAX_UNDECIDED,
     HermesToolParser,
     JsonArrayToolParser,
     NamedToolParser,
@@ -116,6 +117,20 @@ def test_a_call_in_another_shape_is_read_whole_once_its_block_closes(block: str)
     parser = HermesToolParser()
     assert parser.feed(f"<tool_call>{block[:-1]}") == ("", [])  # nothing is sent before it closes
     assert [d.name for d in parser.feed("}</tool_call>")[1]] == ["get_weather"]
+
+
+def test_a_call_start_undecided_past_the_limit_is_content_however_streamed() -> None:
+    """A call's start is decided within MAX_UNDECIDED characters: each token re-read the text
+    held so far (40,000 characters of `<tool_call>` and spaces: 14.8 s), and a streamed reply
+    showed none of it until its end."""
+    spaces = " " * (MAX_UNDECIDED + 1)
+    text = f"<tool_call>{spaces}{WEATHER}</tool_call>"
+    assert _same_however_split(HermesToolParser, text) == (text, [])
+    parser = HermesToolParser()
+    shown = "".join(parser.feed(text[i : i + 4])[0] for i in range(0, 2 * MAX_UNDECIDED, 4))
+    assert shown.startswith("<tool_call>   ")
+    array = f"[{spaces}{WEATHER}]".replace('"arguments"', '"parameters"')
+    assert _same_however_split(JsonArrayToolParser, array) == (array, [])
 
 
 def test_a_call_cut_short_is_closed() -> None:

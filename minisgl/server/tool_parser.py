@@ -23,6 +23,10 @@ import orjson
 from .reasoning import partial_tag_len
 
 _WS = " \t\n\r"
+# a call's start is decided within this many characters, or it is no call: each token re-read
+# the undecided text, and a reply of 40,000 (`<tool_call>` and spaces, which a client's own
+# regex can ask for) took 14.8 s at 4 characters a token. OpenAI's function names are 64 at most
+MAX_UNDECIDED = 1024
 
 
 @dataclass
@@ -268,12 +272,13 @@ class HermesToolParser:
                 self._state = "header"
             elif self._state == "header":
                 end = text.find(self.close)
-                header = call_header(text if end < 0 else text[:end], ("arguments", "parameters"))
-                if header is None and end < 0 and not final:
+                window = text if end < 0 else text[:end]
+                header = call_header(window[:MAX_UNDECIDED], ("arguments", "parameters"))
+                if header is None and end < 0 and not final and len(window) <= MAX_UNDECIDED:
                     self._held = text
                     return
                 if not isinstance(header, tuple):
-                    if text.lstrip(_WS).startswith("{"):  # perhaps a call in another shape
+                    if window[:MAX_UNDECIDED].lstrip(_WS).startswith("{"):  # another shape?
                         self._state = "whole"
                     else:  # not a call: its tag is plain text
                         self.reply.content(self.open)
@@ -373,7 +378,7 @@ class JsonArrayToolParser:
                 self._state, text = "end", text[end:]
                 continue
             if self._state == "header":
-                header = call_header(text, ("parameters",))
+                header = call_header(text[:MAX_UNDECIDED], ("parameters",))
                 if isinstance(header, tuple):
                     name, start = header
                     self._wanted = self.parallel or not self.reply.num_calls
@@ -386,10 +391,10 @@ class JsonArrayToolParser:
                     continue
                 found: str | bool | None = header
             else:
-                c = _Cursor(text)
+                c = _Cursor(text[:MAX_UNDECIDED])
                 expected = {"start": ("[",), "end": ("}",), "next": (",", "]")}[self._state]
                 found = c.one_of(*expected)
-            if found is None and not final:
+            if found is None and not final and len(text) <= MAX_UNDECIDED:
                 self._held = text
                 return
             if not isinstance(found, str) or found == "]":  # the array broke off, or ended
