@@ -25,6 +25,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from typing_extensions import TypeAliasType
@@ -281,6 +282,16 @@ class _GenerateRequest(_Body):
     def _request_field(self, name: str) -> str:
         """The request's name for a SamplingParams field."""
         return name
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _first_bad_bias(cls, value: Any) -> Any:
+        """The first bias that is no number is the error, as a List's first bad item is."""
+        if isinstance(value, dict):
+            for token, bias in value.items():
+                if isinstance(bias, bool) or not isinstance(bias, int | float):
+                    raise ValueError(f"the bias of {token!r} is no number")
+        return value
 
 
 class CompletionRequest(_GenerateRequest):
