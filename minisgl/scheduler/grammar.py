@@ -50,7 +50,7 @@ class Grammars:
         self, model_path: Path, vocab_size: int, eos_ids: Sequence[int], timed: bool = True
     ) -> None:
         """timed: hold matcher steps to MAX_MATCH_SECONDS (TP rank 0 only: the others follow its
-        verdicts, as their own times would decide apart)."""
+        word, as their own times would decide apart)."""
         self._model_path = model_path
         self._vocab_size = vocab_size
         self._eos_ids = list(eos_ids)
@@ -194,7 +194,7 @@ class Grammars:
 
     def take_too_slow(self) -> list[tuple[int, str]]:
         """The requests whose matcher took a step past MAX_MATCH_SECONDS since the last call,
-        and why (timed only): rank 0 ends them on every rank in its next verdicts."""
+        and why (timed only): rank 0 ends them on every rank in its next turn (EndRequests)."""
         found, self._too_slow = self._too_slow, []
         return found
 

@@ -5,7 +5,8 @@ They travel over a gloo group of their own (CPU tensors, whatever the device), e
 other message is (`minisgl.messages`). A group reaches the other machines through the address the
 TP group met at: a multi-node run needs no other port, and nothing is bound per rank. An idle
 rank 0 sends a turn that is none at each turn of its idle loop (`ping`), which fails once a rank
-is gone.
+is gone. While requests wait for their grammars, every rank also combines its flags with the
+others' once a turn (`agree`), so that they start the same requests in the same step.
 """
 
 from datetime import timedelta
