@@ -94,7 +94,6 @@ class Scheduler:
             engine.config.model_path, layout.vocab_size, eos_ids, timed=engine.config.tp_rank == 0
         )
         self._compiling: dict[int, _Compiling] = {}  # by rid
-        self._refusals: dict[int, str] = {}  # why rank 0 refuses a request compiling, by rid
         self._wait_for_grammars = wait_for_grammars
         self._errors: list[ReqError] = []  # requests whose grammar failed, for the next outputs
         self._processing_logits: set[int] = set()  # requests whose params process the logits
@@ -223,7 +222,6 @@ class Scheduler:
         wait_for_grammars for each compile here up to its deadline; else, where nothing else
         is to do, up to 50 ms for one still compiling here."""
         entries = list(self._compiling.values())
-        pending = [e.grammar for e in entries if not e.grammar.done()]
         if self._wait_for_grammars:
             for entry in entries:
                 while not (
@@ -232,15 +230,16 @@ class Scheduler:
                     or interrupt_pending()
                 ):
                     wait([entry.grammar], timeout=0.05)
-        elif pending and not (self.waiting or self.running or self._in_flight):
+        elif not (self.waiting or self.running or self._in_flight) and (
+            pending := [e.grammar for e in entries if not e.grammar.done()]
+        ):
             wait(pending, timeout=0.05, return_when="FIRST_COMPLETED")
         now = time.monotonic()
         done = [int(e.grammar.done()) for e in entries]
         failed, overdue = [0] * len(entries), [0] * len(entries)
         if leader:
-            for i, (rid, entry) in enumerate(self._compiling.items()):
-                if (reason := self._failure(entry)) is not None:
-                    self._refusals[rid], failed[i] = reason, -1
+            for i, entry in enumerate(entries):
+                failed[i] = -int(self._failure(entry) is not None)
                 overdue[i] = -int(self._overdue(entry, now))
         return done + failed + overdue
 
@@ -271,7 +270,7 @@ class Scheduler:
         done, failed, overdue = flags[:n], flags[n : 2 * n], flags[2 * n :]
         for (rid, entry), ready, fail, late in zip(entries, done, failed, overdue, strict=True):
             if fail:  # only the leader knows why, and only its errors are sent
-                self._end_in_error([(rid, self._refusals.pop(rid, "its grammar failed"))])
+                self._end_in_error([(rid, self._failure(entry) or "its grammar failed")])
             elif ready:
                 del self._compiling[rid]
                 self.grammars.start(rid, entry.req.params.structured, entry.grammar)

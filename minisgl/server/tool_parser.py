@@ -273,12 +273,13 @@ class HermesToolParser:
             elif self._state == "header":
                 end = text.find(self.close)
                 window = text if end < 0 else text[:end]
-                header = call_header(window[:MAX_UNDECIDED], ("arguments", "parameters"))
+                head = window[:MAX_UNDECIDED]
+                header = call_header(head, ("arguments", "parameters"))
                 if header is None and end < 0 and not final and len(window) <= MAX_UNDECIDED:
                     self._held = text
                     return
                 if not isinstance(header, tuple):
-                    if window[:MAX_UNDECIDED].lstrip(_WS).startswith("{"):  # another shape?
+                    if head.lstrip(_WS).startswith("{"):  # perhaps a call in another shape
                         self._state = "whole"
                     else:  # not a call: its tag is plain text
                         self.reply.content(self.open)
