@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_and_mul_rounded
-from .gemv import GemvConfig
+from .gemv import GemvConfig, weight_eviction
 from .moe_align import align_by_expert
 from .pdl import pdl_args, wait_for_previous
 
@@ -71,7 +71,8 @@ def grouped_tile(pairs: int, num_experts: int) -> MoETile:
 @triton.jit
 def _moe_gemv_gate_up_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_h,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_EVICTION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # h[pair, n] for BLOCK_N // 2 features n: rows gate_n and up_n (N rows below) alternate.
     # Each tile's load is issued before the previous tile's products (two in flight)
@@ -84,12 +85,20 @@ def _moe_gemv_gate_up_kernel(
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     w_rows = w_ptr + expert * stride_we + (n + (r % 2) * N)[:, None] * stride_wn
     x_row = x_ptr + (pair // TOP_K) * stride_x
-    w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+    w = tl.load(
+        w_rows + k[None, :],
+        mask=n_mask[:, None] & (k < K)[None, :],
+        other=0.0,
+        eviction_policy=W_EVICTION,
+    )
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k_mask = k0 + k < K
         w_next = tl.load(
-            w_rows + k0 + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0
+            w_rows + k0 + k[None, :],
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0.0,
+            eviction_policy=W_EVICTION,
         )
         x = tl.load(x_row + k0 - BLOCK_K + k)  # a tile before the last is whole
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -106,14 +115,14 @@ def _moe_gemv_gate_up_kernel(
 @triton.jit
 def _down_weights(
     w_ptr, ids_ptr, first_pair, i, steps, n, n_mask, k, K, stride_we, stride_wn,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, W_EVICTION: tl.constexpr,
 ):  # fmt: skip
     """Tile i of a token's down rows end to end: W's rows n of its pair's expert."""
     k0 = (i % steps) * BLOCK_K
     expert = tl.load(ids_ptr + first_pair + i // steps).to(tl.int64)
     w_rows = w_ptr + expert * stride_we + n[:, None] * stride_wn
     mask = n_mask[:, None] & (k0 + k < K)[None, :]
-    return tl.load(w_rows + k0 + k[None, :], mask=mask, other=0.0)
+    return tl.load(w_rows + k0 + k[None, :], mask=mask, other=0.0, eviction_policy=W_EVICTION)
 
 
 @triton.jit
@@ -129,7 +138,7 @@ def _down_input(h_ptr, weights_ptr, first_pair, i, steps, k, K, stride_h, BLOCK_
 def _moe_gemv_down_kernel(
     h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_h, stride_we, stride_wn,
     stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    W_EVICTION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # out[token, n] for BLOCK_N features n: one loop over the token's k experts' rows end to end,
     # each tile's load issued before the previous tile's products, so the next expert's rows are
@@ -143,15 +152,16 @@ def _moe_gemv_down_kernel(
     # the ids were written before the gate/up kernel began, and its programs have all passed
     # their wait when this one launches: the first tile can load before the wait
     w = _down_weights(
-        w_ptr, ids_ptr, pairs, 0, steps, n, n_mask, k, K, stride_we, stride_wn, BLOCK_K
+        w_ptr, ids_ptr, pairs, 0, steps, n, n_mask, k, K, stride_we, stride_wn, BLOCK_K, W_EVICTION
     )
     wait_for_previous(USE_PDL)
     h = _down_input(h_ptr, weights_ptr, pairs, 0, steps, k, K, stride_h, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i in range(1, TOP_K * steps):
         w_next = _down_weights(
-            w_ptr, ids_ptr, pairs, i, steps, n, n_mask, k, K, stride_we, stride_wn, BLOCK_K
-        )
+            w_ptr, ids_ptr, pairs, i, steps, n, n_mask, k, K, stride_we, stride_wn, BLOCK_K,
+            W_EVICTION,
+        )  # fmt: skip
         h_next = _down_input(h_ptr, weights_ptr, pairs, i, steps, k, K, stride_h, BLOCK_K)
         acc += w.to(tl.float32) * h[None, :]
         w, h = w_next, h_next
@@ -255,17 +265,19 @@ def gemv_moe(
     """fused_moe's path for a few tokens: a GEMV per pair, then one per token over its pairs."""
     _check(x, w13, w2, weights, ids)
     (tokens, top_k), (hidden, inter) = ids.shape, w2.shape[1:]
+    # one token's k experts are distinct: each row of theirs is read once
+    eviction = weight_eviction(tokens)
     h = torch.empty((tokens * top_k, inter), dtype=x.dtype, device=x.device)
     _moe_gemv_gate_up_kernel[(triton.cdiv(inter, gate_up.block_n // 2), tokens * top_k)](
         x, w13, ids, h, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         TOP_K=top_k, BLOCK_N=gate_up.block_n, BLOCK_K=_block_k(gate_up.block_k, hidden, x.dtype),
-        num_warps=gate_up.num_warps, **pdl_args(x.device),
+        W_EVICTION=eviction, num_warps=gate_up.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     out = torch.empty_like(x)
     _moe_gemv_down_kernel[(triton.cdiv(hidden, down.block_n), tokens)](
         h, w2, ids, weights, out, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
         out.stride(0), TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=_block_k(down.block_k, inter, x.dtype),
-        num_warps=down.num_warps, **pdl_args(x.device),
+        W_EVICTION=eviction, num_warps=down.num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return out
 
