@@ -263,13 +263,19 @@ class SamplingParams:
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The params of n independent choices (each with n=1): distinct seeds derived from a given
-    seed (choice 0 keeps it, so n=1 and the first of n agree); without one, the scheduler draws
-    a seed each."""
+    """The params of n independent choices of one prompt (each with n=1): distinct seeds derived
+    from a given seed (choice 0 keeps it, so n=1 and the first of n agree); without one, the
+    scheduler draws a seed each. Only choice 0 asks for the prompt's logprobs: the others share
+    its (a prompt's are computed, detokenized and formatted once, whatever n, as vLLM's)."""
+    first = replace(params, n=1)
+    rest = first if params.prompt_logprobs is None else replace(first, prompt_logprobs=None)
     if params.seed is None:
-        return [replace(params, n=1)] * n
+        return [first] + [rest] * (n - 1)
     # wrapped into the 64-bit range SamplingParams accepts
-    return [replace(params, n=1, seed=(params.seed + i + 2**63) % 2**64 - 2**63) for i in range(n)]
+    return [
+        replace(first if i == 0 else rest, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
+        for i in range(n)
+    ]
 
 
 _NUMBERS = (

@@ -185,11 +185,10 @@ class LLM:
             out = self._step([add])
             if out.errors:  # none was added, or one ended in its first step
                 raise ValueError(out.errors[0].message)
-            runs = {
-                rid: _Run(self.tokenizer, prompt, p, arrival)
-                for prompt, rids, choices in zip(add.prompts, add.rids, add.params, strict=True)
-                for rid, p in zip(rids, choices, strict=True)
-            }
+            for prompt, rids, choices in zip(add.prompts, add.rids, add.params, strict=True):
+                siblings = [_Run(self.tokenizer, prompt, p, arrival) for p in choices[1:]]
+                runs[rids[0]] = _Run(self.tokenizer, prompt, choices[0], arrival, siblings)
+                runs.update(zip(rids[1:], siblings, strict=True))
             self._run_to_end(out, runs, use_tqdm)
         except BaseException:
             # the next call must not run these requests to their end first, nor read the pages
@@ -264,10 +263,17 @@ class _Run:
     when it has stop strings: then after every token, so that the request ends at the first."""
 
     def __init__(
-        self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams, arrival: float
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        siblings: Sequence["_Run"] = (),
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
         self.prompt_ids = prompt_ids
+        # the other choices of its prompt: they share its prompt logprobs (choice_params)
+        self.siblings = siblings
         self.incremental = bool(params.stop)
         metrics = {"arrival_time": arrival, "first_token_time": None, "finished_time": None}
         self.result: dict[str, Any] = {
@@ -276,15 +282,16 @@ class _Run:
         if params.logprobs is not None:
             self.result["logprobs"] = []
         if params.prompt_logprobs is not None:
-            self.result["prompt_logprobs"] = None
+            for run in (self, *siblings):
+                run.result["prompt_logprobs"] = None
 
     def add_prompt_logprobs(self, logprobs: list[TokenLogprobs]) -> None:
-        """vLLM's prompt_logprobs: None for the first prompt token, then each one's."""
+        """vLLM's prompt_logprobs: None for the first prompt token, then each one's; one list
+        for the prompt's choices."""
         tokens = self.prompt_ids[1:]
-        self.result["prompt_logprobs"] = [
-            None,
-            *(_logprob_entry(t, lp) for t, lp in zip(tokens, logprobs, strict=True)),
-        ]
+        entries = [None, *(_logprob_entry(t, lp) for t, lp in zip(tokens, logprobs, strict=True))]
+        for run in (self, *self.siblings):
+            run.result["prompt_logprobs"] = entries
 
     def add(self, token: int, logprobs: Any, finish: Finished | None, now: float) -> bool:
         """Add a sampled token; True when a stop string ended the text: the request must stop."""

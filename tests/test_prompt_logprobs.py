@@ -72,6 +72,23 @@ def test_a_one_token_chunk_beside_decodes_is_a_prefill(reference, chunk_size: in
     llm.scheduler.check_integrity()
 
 
+def test_a_prompts_choices_share_its_first_choices_prompt_logprobs(reference) -> None:
+    """n 3 of two prompts whose prefixes are cached: only each prompt's first choice computes
+    its prompt's logprobs (the prompt whole: a cached prefix has no logits); the others reuse
+    the cached prefix, and get the first's logprobs, equal to Hugging Face's."""
+    prompt, want = reference
+    prompts = [prompt, prompt[:12]]
+    llm = LLM(device=DEVICE, dtype="float32", max_kv_tokens=2048)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    asks = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=TOP, n=3)
+    results = llm.generate(prompts, asks, use_tqdm=False)
+    for i, ids in enumerate(prompts):
+        choices = results[3 * i : 3 * i + 3]
+        assert [c["cached_tokens"] for c in choices] == [0, len(ids) - 1, len(ids) - 1]
+        for choice in choices:
+            _check(choice["prompt_logprobs"], ids, want)
+
+
 def test_prompt_logprobs_beyond_the_limit_are_refused() -> None:
     with pytest.raises(ValueError, match="prompt_logprobs must be an integer in"):
         SamplingParams(prompt_logprobs=21)
@@ -180,3 +197,79 @@ def test_a_default_max_tokens_without_room_for_min_tokens_says_so(server: Server
     body = {"model": "m", "prompt": [5] * 2040, "min_tokens": 12}
     refused = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert refused.status_code == 400 and "leaves room for 8 tokens" in refused.text
+
+
+# longer than a step's prompt logprobs (PROMPT_LOGPROBS_CHUNK): a prompt's first choice gets its
+# first token steps after its siblings, which find the prompt cached
+LONG = [3 + (7 * i) % 509 for i in range(1100)]
+
+
+def _same_entries(got: list, want: list) -> None:
+    """vLLM-shaped prompt_logprobs alike: the same tokens, ranks and texts; logprobs to 1e-5."""
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert g.keys() == w.keys()
+        for token, entry in g.items():
+            assert entry["logprob"] == pytest.approx(w[token]["logprob"], abs=1e-5)
+            assert (entry["rank"], entry["decoded_token"]) == (
+                w[token]["rank"], w[token]["decoded_token"],
+            )  # fmt: skip
+
+
+def _choices(response: httpx.Response, stream: bool) -> list[dict]:
+    """A completion's choices; streamed, each merged from its chunks, the first of which alone
+    carries its prompt_logprobs."""
+    assert response.status_code == 200, response.text
+    if not stream:
+        return response.json()["choices"]
+    merged: dict[int, dict] = {}
+    for line in response.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for chunk in httpx.Response(200, content=line[6:]).json()["choices"]:
+            choice = merged.get(chunk["index"])
+            if choice is None:
+                assert "prompt_logprobs" in chunk, "a choice's first chunk has them"
+                merged[chunk["index"]] = chunk
+                continue
+            assert "prompt_logprobs" not in chunk
+            choice["text"] += chunk["text"]
+            for key in ("tokens", "token_logprobs", "top_logprobs") if chunk["logprobs"] else ():
+                choice["logprobs"][key] += chunk["logprobs"][key]
+    return [merged[i] for i in sorted(merged)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    "fields", [{"prompt_logprobs": 2}, {"echo": True, "logprobs": 1}], ids=["field", "echo"]
+)
+def test_a_prompts_choices_share_its_prompt_logprobs_on_the_server(
+    server: ServerProcess, reference, stream: bool, fields: dict
+) -> None:
+    """Two prompts, n 3, their prefixes cached: each prompt's first choice alone computes its
+    prompt's logprobs (its siblings find the prompt cached), and every choice has what n 1
+    gives, before its own text and logprobs; the long prompt's siblings get their tokens before
+    their prompt's logprobs come."""
+    prompts = [LONG, reference[0]]
+    body = {"model": "m", "max_tokens": 3, "temperature": 0, **fields}
+    url = server.url + "/v1/completions"
+    alone = [
+        _choices(httpx.post(url, json={**body, "prompt": p}, timeout=60), False)[0] for p in prompts
+    ]
+    cached = server.metrics()["minisgl_cached_prompt_tokens_total"]
+    both = {**body, "prompt": prompts, "n": 3, "stream": stream}
+    choices = _choices(httpx.post(url, json=both, timeout=60), stream)
+    cached = server.metrics()["minisgl_cached_prompt_tokens_total"] - cached
+    assert cached == sum(2 * (len(p) - 1) for p in prompts)
+    assert len(choices) == 6
+    for i, choice in enumerate(choices):
+        want, prompt = alone[i // 3], prompts[i // 3]
+        _same_entries(choice["prompt_logprobs"], want["prompt_logprobs"])
+        if "echo" in fields:
+            echoed = httpx.post(server.url + "/detokenize", json={"tokens": prompt}).json()
+            assert choice["text"].startswith(echoed["prompt"])
+            got, expected = choice["logprobs"], want["logprobs"]
+            assert got["tokens"][: len(prompt)] == expected["tokens"][: len(prompt)]
+            assert got["token_logprobs"][: len(prompt)] == pytest.approx(
+                expected["token_logprobs"][: len(prompt)], abs=1e-5
+            )

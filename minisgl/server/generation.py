@@ -8,7 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import orjson
@@ -17,11 +17,11 @@ from fastapi.responses import StreamingResponse
 from starlette.responses import Response
 
 from minisgl.core import SamplingParams
-from minisgl.messages import Finished, ReqError, TokenizeRequest
+from minisgl.messages import Finished, ReqError, TextLogprobs, TokenizeRequest
 
 from .engine_client import Delta, EngineClient, Interrupted, Item, ReqGroup
 from .errors import ApiError
-from .responses import Choice, ReplyFormat, json_response, usage
+from .responses import Choice, ReplyFormat, json_response, usage, vllm_prompt_logprobs
 
 T = TypeVar("T")
 Items = list[tuple[int, Item]]
@@ -92,6 +92,18 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """A prompt's logprobs, shared by its choices: as vLLM's prompt_logprobs (formatted once),
+    and as the echoed prompt's logprobs."""
+
+    vllm: list[dict[str, Any] | None] | None
+    echoed: list[TextLogprobs]
+
+
+_NO_PROMPT = _Prompt(None, [])
+
+
 class _Run:
     def __init__(
         self,
@@ -106,7 +118,7 @@ class _Run:
         echo: list[str] | None,
     ) -> None:
         self.client, self.group, self.fmt = client, group, fmt
-        self._echo = dict(enumerate(echo or []))  # choice -> the text it starts with, until it does
+        self._echo = echo  # by choice: the text it starts with
         self._echo_top = params[0].logprobs or 0
         self.model, self.n, self.want_logprobs = model, len(params), want_logprobs
         self.id = reply_id
@@ -114,6 +126,12 @@ class _Run:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.choices = [Choice() for _ in group.rids]
         self._batches = group.batches()
+        # only a prompt's first choice asks for its prompt's logprobs (choice_params), which
+        # come with that choice's first item; its siblings share them
+        self._asks_prompt = params[0].prompt_logprobs is not None
+        self._prompts: dict[int, _Prompt] = {}  # by the prompt's first choice, once it has them
+        self._held: dict[int, Items] = {}  # by the prompt's first choice: its siblings' items
+        self._started: set[int] = set()  # choices that got an item
 
     async def next_items(self) -> Items:
         """The next items; raises ApiError for an error or an interruption, and at the deadline."""
@@ -136,28 +154,57 @@ class _Run:
         return batch
 
     def _apply(self, batch: Items) -> dict[int, Choice]:
-        """Add the items to the choices; returns what each choice got, merged per choice."""
+        """Add the items to the choices; returns what each choice got, merged per choice. Where
+        the prompt's logprobs were asked, a sibling's items wait for them (they come before its
+        own: echoed, and in its first chunk), which come with its prompt's first choice's first
+        item. The wait never outlasts the request: every engine request's items end with a
+        Finished, or an error, an interruption or the deadline fails the whole request."""
         pieces: dict[int, Choice] = {}
         for index, item in batch:
-            piece = pieces.setdefault(index, Choice())
-            if index in self._echo:  # its prompt, and the prompt's logprobs, come first
-                prompt = item.prompt_logprobs if isinstance(item, Delta) else None
-                # as many likeliest tokens as the logprobs' (prompt_logprobs may ask more)
-                echoed = [replace(t, top=t.top[: self._echo_top]) for t in prompt or []]
-                for choice in (self.choices[index], piece):
-                    choice.add(self._echo[index], echoed)
-                del self._echo[index]
-            if isinstance(item, Delta):
-                if item.prompt_logprobs is not None:
-                    self.choices[index].prompt_logprobs = item.prompt_logprobs
-                    piece.prompt_logprobs = item.prompt_logprobs
-                logprobs = [] if item.logprobs is None else [item.logprobs]
-                self.choices[index].add(item.text, logprobs)
-                piece.add(item.text, logprobs)
+            first = index - index % self.n
+            if index == first and first not in self._prompts:
+                self._prompts[first] = self._prompt(item)
+                self._add(pieces, index, first, item)
+                for sibling, held in self._held.pop(first, []):
+                    self._add(pieces, sibling, first, held)
+            elif self._asks_prompt and first not in self._prompts:
+                self._held.setdefault(first, []).append((index, item))
             else:
-                assert isinstance(item, Finished)
-                self.choices[index].end = piece.end = item
+                self._add(pieces, index, first, item)
         return pieces
+
+    def _prompt(self, item: Item) -> _Prompt:
+        """A prompt's logprobs from its first choice's first item: with its first token (a
+        Finished before any token has none)."""
+        entries = item.prompt_logprobs if isinstance(item, Delta) else None
+        if entries is None:
+            return _NO_PROMPT
+        # as many likeliest tokens as the logprobs' (prompt_logprobs may ask more)
+        echoed = (
+            [replace(t, top=t.top[: self._echo_top]) for t in entries]
+            if self._echo is not None
+            else []
+        )
+        return _Prompt(vllm_prompt_logprobs(entries), echoed)
+
+    def _add(self, pieces: dict[int, Choice], index: int, first: int, item: Item) -> None:
+        """Add an item to choice `index`, of the prompt whose first choice is `first`."""
+        piece = pieces.setdefault(index, Choice())
+        choice = self.choices[index]
+        if index not in self._started:  # its prompt, and the prompt's logprobs, come first
+            self._started.add(index)
+            prompt = self._prompts.get(first, _NO_PROMPT)
+            choice.prompt_logprobs = piece.prompt_logprobs = prompt.vllm
+            if self._echo is not None:
+                for c in (choice, piece):
+                    c.add(self._echo[index], prompt.echoed)
+        if isinstance(item, Delta):
+            logprobs = [] if item.logprobs is None else [item.logprobs]
+            choice.add(item.text, logprobs)
+            piece.add(item.text, logprobs)
+        else:
+            assert isinstance(item, Finished)
+            choice.end = piece.end = item
 
     def _ended(self) -> bool:
         return all(c.end is not None for c in self.choices)

@@ -26,7 +26,8 @@ class Choice:
     text: str = ""
     logprobs: list[TextLogprobs] = field(default_factory=list)
     end: Finished | None = None
-    prompt_logprobs: list[TextLogprobs] | None = None  # its prompt's tokens', where asked
+    # its prompt's tokens', where asked, as vLLM's prompt_logprobs: shared by the prompt's choices
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
     # the logprobs' token texts, in characters: where the next token's text_offset is (the text
     # lags behind while a possible stop string is held back)
     logprobs_chars: int = 0
@@ -161,7 +162,7 @@ class CompletionFormat(ReplyFormat):
             "stop_reason": piece.matched_stop,
         }
         if piece.prompt_logprobs is not None:
-            out["prompt_logprobs"] = vllm_prompt_logprobs(piece.prompt_logprobs)
+            out["prompt_logprobs"] = piece.prompt_logprobs
         return out
 
 
@@ -207,7 +208,7 @@ class ChatFormat(ReplyFormat):
     def prompt_logprobs(self, choices: list[Choice]) -> dict[str, Any]:
         """As vLLM's chat response: the prompt's logprobs beside the choices (one prompt)."""
         entries = choices[0].prompt_logprobs if choices else None
-        return {} if entries is None else {"prompt_logprobs": vllm_prompt_logprobs(entries)}
+        return {} if entries is None else {"prompt_logprobs": entries}
 
     def choice(
         self,
