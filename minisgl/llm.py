@@ -185,10 +185,11 @@ class LLM:
             out = self._step([add])
             if out.errors:  # none was added, or one ended in its first step
                 raise ValueError(out.errors[0].message)
-            for prompt, rids, choices in zip(add.prompts, add.rids, add.params, strict=True):
-                siblings = [_Run(self.tokenizer, prompt, p, arrival) for p in choices[1:]]
-                runs[rids[0]] = _Run(self.tokenizer, prompt, choices[0], arrival, siblings)
-                runs.update(zip(rids[1:], siblings, strict=True))
+            runs = {
+                rid: _Run(self.tokenizer, prompt, p, arrival)
+                for prompt, rids, choices in zip(add.prompts, add.rids, add.params, strict=True)
+                for rid, p in zip(rids, choices, strict=True)
+            }
             self._run_to_end(out, runs, use_tqdm)
         except BaseException:
             # the next call must not run these requests to their end first, nor read the pages
@@ -197,7 +198,7 @@ class LLM:
             unfinished = [rid for rid in itertools.chain(*add.rids) if rid not in ended]
             self._step([AbortRequest(unfinished), FlushPrefixCache()])
             raise
-        return [runs[rid].result for rid in itertools.chain(*add.rids)]
+        return _results(add, runs)
 
     def _run_to_end(self, out: StepOutputs, runs: dict[int, "_Run"], use_tqdm: bool) -> None:
         with tqdm(total=len(runs), desc="generate", disable=not use_tqdm) as bar:
@@ -258,6 +259,17 @@ class LLM:
         return stopped
 
 
+def _results(add: AddRequests, runs: dict[int, "_Run"]) -> list[dict[str, Any]]:
+    """The runs' results, prompt by prompt. Only a prompt's first choice computed its prompt
+    logprobs (choice_params): each of its other choices gets a copy of that list."""
+    for rids, choices in zip(add.rids, add.params, strict=True):
+        if choices[0].prompt_logprobs is not None:
+            shared = runs[rids[0]].result["prompt_logprobs"]
+            for rid in rids[1:]:
+                runs[rid].result["prompt_logprobs"] = None if shared is None else list(shared)
+    return [runs[rid].result for rid in itertools.chain(*add.rids)]
+
+
 class _Run:
     """One request's result as its tokens arrive. Its text is decoded once at the end, except
     when it has stop strings: then after every token, so that the request ends at the first."""
@@ -268,12 +280,9 @@ class _Run:
         prompt_ids: list[int],
         params: SamplingParams,
         arrival: float,
-        siblings: Sequence["_Run"] = (),
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
         self.prompt_ids = prompt_ids
-        # the other choices of its prompt: they share its prompt logprobs (choice_params)
-        self.siblings = siblings
         self.incremental = bool(params.stop)
         metrics = {"arrival_time": arrival, "first_token_time": None, "finished_time": None}
         self.result: dict[str, Any] = {
@@ -282,16 +291,15 @@ class _Run:
         if params.logprobs is not None:
             self.result["logprobs"] = []
         if params.prompt_logprobs is not None:
-            for run in (self, *siblings):
-                run.result["prompt_logprobs"] = None
+            self.result["prompt_logprobs"] = None
 
     def add_prompt_logprobs(self, logprobs: list[TokenLogprobs]) -> None:
-        """vLLM's prompt_logprobs: None for the first prompt token, then each one's; one list
-        for the prompt's choices."""
+        """vLLM's prompt_logprobs: None for the first prompt token, then each one's."""
         tokens = self.prompt_ids[1:]
-        entries = [None, *(_logprob_entry(t, lp) for t, lp in zip(tokens, logprobs, strict=True))]
-        for run in (self, *self.siblings):
-            run.result["prompt_logprobs"] = entries
+        self.result["prompt_logprobs"] = [
+            None,
+            *(_logprob_entry(t, lp) for t, lp in zip(tokens, logprobs, strict=True)),
+        ]
 
     def add(self, token: int, logprobs: Any, finish: Finished | None, now: float) -> bool:
         """Add a sampled token; True when a stop string ended the text: the request must stop."""

@@ -87,6 +87,8 @@ def test_a_prompts_choices_share_its_first_choices_prompt_logprobs(reference) ->
         assert [c["cached_tokens"] for c in choices] == [0, len(ids) - 1, len(ids) - 1]
         for choice in choices:
             _check(choice["prompt_logprobs"], ids, want)
+    results[1]["prompt_logprobs"].clear()  # each result's list is its own
+    _check(results[2]["prompt_logprobs"], prompt, want)
 
 
 def test_prompt_logprobs_beyond_the_limit_are_refused() -> None:
