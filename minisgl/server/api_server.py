@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -126,7 +127,19 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         if length.isdigit() and int(length) > limit:
             raise too_large
         body = bytearray()
-        async for part in request.stream():
+        parts = request.stream()
+        while True:
+            try:  # a client whose body stalls would hold its connection for ever
+                async with asyncio.timeout(args.timeout_keep_alive):
+                    part = await anext(parts, None)
+            except TimeoutError:
+                raise ApiError(
+                    408, f"the request body stalled for {args.timeout_keep_alive} s"
+                ) from None
+            except ClientDisconnect:  # an answer nobody reads, not a traceback in the log
+                raise ApiError(400, "the client left before its body was read") from None
+            if part is None:
+                break
             body += part
             if len(body) > limit:
                 raise too_large
@@ -348,14 +361,34 @@ class _ApiKeyMiddleware:
 
 
 class _IdleTimeoutProtocol(HttpToolsProtocol):
-    """uvicorn times a connection out only after a response: one that never sends a request
-    would hold its file descriptor for ever. The keep-alive timer runs from the start here."""
+    """uvicorn times a connection out only after a response, and stops the timer at a request's
+    first byte: one that never sends a whole request (a byte, half its headers) would hold its
+    file descriptor for ever, and 20,000 of them left the server unreachable. The keep-alive
+    timer runs from the start here, until a request's headers are complete (read_body times the
+    body)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._in_headers = False  # a request has begun and its headers are not complete
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
+
+    def data_received(self, data: bytes) -> None:
+        timer, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None
+        super().data_received(data)  # which would stop the timer at any byte
+        if timer is not None and self._in_headers and self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = timer
+        elif timer is not None:
+            timer.cancel()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers = True
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        super().on_headers_complete()
 
 
 def run_api_server(args: ServerArgs, addresses: Addresses) -> None:

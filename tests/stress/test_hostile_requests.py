@@ -547,6 +547,48 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(server: Serve
         assert closed_by_server([sock], timeout=5 + 5)
 
 
+@pytest.mark.parametrize(
+    "sent",
+    [b"P", f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()],
+    ids=["a byte", "half the headers"],
+)
+def test_a_request_whose_headers_stall_is_closed_after_the_timeout(
+    server: ServerProcess, sent: bytes
+) -> None:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    with sock:
+        sock.sendall(sent)
+        assert closed_by_server([sock], timeout=5 + 5)
+
+
+def test_a_request_whose_body_stalls_gets_a_408_and_is_closed(server: ServerProcess) -> None:
+    head = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5 + 5)
+    with sock:
+        sock.sendall(head.encode() + b'{"model": ')
+        assert sock.recv(65536).startswith(b"HTTP/1.1 408")
+        assert closed_by_server([sock], timeout=5 + 5)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_clients_that_leave_mid_body_leave_no_traceback(server: ServerProcess) -> None:
+    head = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    )
+    log_size = server.log_path.stat().st_size
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(head.encode() + b'{"model": ')
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    time.sleep(1)  # the last ones' log lines
+    log = server.log_path.read_bytes()[log_size:]
+    assert b"Traceback" not in log and len(log) < 20 * 512, log[-2000:]
+
+
 # --------------------------------------------------------------------------------------- D12
 @pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN", "1e999"])
 def test_non_finite_temperature_is_a_400(server: ServerProcess, value: str) -> None:
