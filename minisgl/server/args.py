@@ -35,7 +35,7 @@ class ServerArgs:
     request_timeout: float | None = None  # seconds a request may run; None: no limit
     shutdown_timeout: float = 10.0  # seconds running requests may finish after SIGTERM
     health_timeout: float = 20.0  # /health fails once the scheduler was silent this long
-    timeout_keep_alive: int = 5  # seconds an idle HTTP connection stays open
+    timeout_keep_alive: int = 5  # seconds a connection may stay idle, between or in requests
     log_level: str = "info"
     node_rank: int = 0  # which of engine.nnodes machines this is; node 0 serves the API
     dist_init_addr: str | None = None  # HOST:PORT where node 0 meets the others (TCP)
