@@ -130,9 +130,8 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         parts = request.stream()
         while True:
             try:  # a client whose body stalls would hold its connection for ever
-                async with asyncio.timeout(args.timeout_keep_alive):
-                    part = await anext(parts, None)
-            except TimeoutError:
+                part = await asyncio.wait_for(anext(parts, None), args.timeout_keep_alive)
+            except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
                 raise ApiError(
                     408, f"the request body stalled for {args.timeout_keep_alive} s"
                 ) from None
