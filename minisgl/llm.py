@@ -275,11 +275,7 @@ class _Run:
     when it has stop strings: then after every token, so that the request ends at the first."""
 
     def __init__(
-        self,
-        tokenizer: Any,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        arrival: float,
+        self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams, arrival: float
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
         self.prompt_ids = prompt_ids

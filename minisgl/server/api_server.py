@@ -376,7 +376,7 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         timer, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None
         super().data_received(data)  # which would stop the timer at any byte
-        if timer is not None and self._in_headers and self.timeout_keep_alive_task is None:
+        if timer is not None and self._in_headers:
             self.timeout_keep_alive_task = timer
         elif timer is not None:
             timer.cancel()
