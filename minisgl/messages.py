@@ -57,6 +57,9 @@ class TokenizeRequest:
     # the params' max_tokens is the route's default, not the client's: bounded by the room each
     # prompt leaves in the context (vLLM's), not refused for it
     default_max_tokens: bool = False
+    # prompt logprobs the request may ask for at most, over its prompts: each token after a
+    # prompt's first has its own and its prompt_logprobs likeliest (None: no bound)
+    max_prompt_logprobs: int | None = None
 
 
 @_wire

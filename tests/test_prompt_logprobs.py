@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.scheduler.scheduler import PROMPT_LOGPROBS_CHUNK
 from minisgl.tokenizer.loader import load_tokenizer
 from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import DEVICE, hf_model
 from .server_process import ServerProcess
+from .stress.checks import assert_openai_error
 
 TEXT = "Once upon a time, there was a little girl named Lily. She loved to play"
 TOP = 3
@@ -96,6 +98,24 @@ def test_prompt_logprobs_beyond_the_limit_are_refused() -> None:
         SamplingParams(prompt_logprobs=21)
 
 
+def test_requests_behind_prompt_logprobs_that_wait_for_rows_are_admitted() -> None:
+    """A step computes PROMPT_LOGPROBS_CHUNK prompt logprobs at most; a request at the head of
+    the queue that asks for more waits for the next step's, and those behind it that ask for
+    none are admitted meanwhile (the step's token budget is left to them)."""
+    llm = LLM(DEFAULT_MODEL_PATH, device=DEVICE, dtype="float32", max_kv_tokens=8192)
+    scheduler = llm.scheduler
+    asking = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    long_prompt = [(7 * i) % 500 + 1 for i in range(PROMPT_LOGPROBS_CHUNK + 100)]
+    scheduler.add_requests(
+        [(0, long_prompt, asking), (1, long_prompt[::-1], asking), (2, [5, 6, 7], SamplingParams())]
+    )
+    scheduler.step()
+    assert [req.rid for req in scheduler.waiting] == [1]
+    while scheduler.has_work:
+        scheduler.step()
+    scheduler.check_integrity()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     s = ServerProcess(tmp_path_factory.mktemp("echo"), "--served-model-name", "m")
@@ -132,6 +152,25 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
     for p in range(len(prompt) - 1):
         assert token_logprobs[p + 1] == pytest.approx(want[p, prompt[p + 1]].item(), abs=1e-4)
         assert len(top_logprobs[p + 1]) in (1, 2)  # the likeliest token, and the prompt's
+
+
+@pytest.mark.parametrize(
+    "asks", [{"prompt_logprobs": 20}, {"echo": True, "logprobs": 20}], ids=["vllm", "echo"]
+)
+def test_more_prompt_logprobs_than_a_request_may_ask_for_is_a_400(
+    server: ServerProcess, asks: dict
+) -> None:
+    """25 prompts of 2,047 tokens x 21 logprobs each: 1,074,150, over the default 2^20 (256 such
+    prompts of 2,000 tokens made a 731 MB answer): computed nothing; one such prompt is served."""
+    prompts = [[(i * 7 + j) % 500 + 1 for j in range(2047)] for i in range(25)]
+    body = {"model": "m", "prompt": prompts, "max_tokens": 1, **asks}
+    before = server.metrics()["minisgl_prompt_tokens_total"]
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    error = assert_openai_error(response, 400)
+    assert "1074150 prompt logprobs" in error["message"], error
+    assert server.metrics()["minisgl_prompt_tokens_total"] == before
+    body = {"model": "m", "prompt": prompts[:1], "max_tokens": 1, **asks}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
 
 
 def _vllm_check(entries: list, prompt: list[int], want: torch.Tensor, top: int) -> None:

@@ -20,6 +20,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.core import StructuredOutput
 from minisgl.scheduler.grammar import Grammars
+from minisgl.scheduler.regex_cost import MAX_SPLITS, splits, too_costly
 from minisgl.scheduler.unenforced import repeats_past_limit, unenforced_keyword
 from minisgl.tokenizer.loader import load_tokenizer
 from minisgl.utils import DEFAULT_MODEL_PATH
@@ -254,20 +255,23 @@ def test_offline_constraint_that_does_not_compile_raises_and_leaks_nothing(
     assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
 
 
-# xgrammar matches these in time that grows: the first in its first mask (1.6 s on a 2-core CPU
-# with Qwen3's vocabulary), the second with every token it accepts (past 0.25 s a step by ~30
-# characters)
-SLOW_START = "(([a-z]?){0,20}){0,20}"
+# xgrammar matches these in time that grows: the first in its first mask (2.0 s on a 2-core CPU
+# with Qwen3's vocabulary; as a regex it is refused before it compiles), the second with every
+# token it accepts (past 0.25 s a step by ~30 characters); the third takes ~28 ms a step, which
+# 32 choices of one request add up to
+SLOW_START = "root ::= (([a-z]?){0,20}){0,20}"
 GROWING = 'root ::= x\nx ::= x x x | [a-z] | ""'
+WORDS = "([a-z]+ ?)*"
 
 
 def test_a_grammar_too_costly_to_match_is_refused_or_ended_and_the_engine_serves_on(
     llms: dict[bool, LLM],
 ) -> None:
-    """A grammar whose first mask takes longer than a matcher step may is refused; one whose
-    steps grow past it ends in error as it runs (min_tokens holds its eos back)."""
+    """A grammar whose first mask takes longer than a request's matcher steps may take in a step
+    is refused; one whose steps grow past it ends in error as it runs (min_tokens holds its eos
+    back)."""
     for llm in llms.values():
-        slow_start = StructuredOutput(regex=SLOW_START)
+        slow_start = StructuredOutput(grammar=SLOW_START)
         with pytest.raises(ValueError, match="too costly to match"):
             llm.generate(["a"], SamplingParams(structured=slow_start), use_tqdm=False)
         growing = SamplingParams(
@@ -276,11 +280,63 @@ def test_a_grammar_too_costly_to_match_is_refused_or_ended_and_the_engine_serves
             min_tokens=64,
             structured=StructuredOutput(grammar=GROWING),
         )
-        with pytest.raises(ValueError, match="too costly to match: a step took over"):
+        with pytest.raises(ValueError, match="too costly to match: its masks"):
             llm.generate(["a", "b"], [SamplingParams(max_tokens=8), growing], use_tqdm=False)
         assert llm.generate(["c"], SamplingParams(max_tokens=4), use_tqdm=False)[0]["token_ids"]
         llm.scheduler.check_integrity()
         assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
+
+
+def test_the_matcher_steps_of_a_request_s_choices_add_up_to_its_bound(
+    llms: dict[bool, LLM],
+) -> None:
+    """One choice of WORDS is well within a request's matcher time a step; 32 choices of one
+    request are not (each step under the bound, they held every other request 107 s before)."""
+    llm = llms[True]
+    words = StructuredOutput(regex=WORDS)
+    one = SamplingParams(max_tokens=16, min_tokens=16, structured=words)
+    assert len(llm.generate(["a"], one, use_tqdm=False)[0]["token_ids"]) == 16
+    many = replace(one, n=32)
+    with pytest.raises(ValueError, match=r"too costly to match: its masks \(all its prompts"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=8), many], use_tqdm=False)
+    assert not llm.scheduler.has_work
+    llm.scheduler.check_integrity()
+    assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
+
+
+# (pattern, its splits): counts over parts of varying length multiply, nested or side by side
+SPLITS = [
+    ("[a-z]{0,1000}", 1), (r"\d{3}-\d{3}-\d{4}", 1), ("([a-z]+ ?)*", 1), ("(a|b){5}", 1),
+    (r"(\d{1,3}\.){3}\d{1,3}", 3), ("(a|bc){5}", 5), ("(ab?){3,}", 3), ("(?:x?){20}", 20),
+    ("([A-Za-z]+ ){0,31}[A-Za-z]+", 31), ("(([a-z]?){0,4}){0,8}", 32), ("[]a]{3}", 1),
+    ("([a-z]?){0,5}([a-z]?){0,7}", 33), ("([a-z]{1,5}){1,33}", 33), ("a{2}{3}", 1),
+    ("(([a-z]?){0,40}){0,40}", 33), ("x|(y?){40}", 33), ("(", 1), ("", 1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("pattern", "expected"), SPLITS)
+def test_a_regex_s_splits_count_its_varying_repetitions(pattern: str, expected: int) -> None:
+    assert splits(pattern) == expected
+    assert (too_costly(pattern) is None) == (expected <= MAX_SPLITS)
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        StructuredOutput(regex="([a-z]?){0,40}([a-z]?){0,40}"),  # 12.4 s a mask
+        StructuredOutput(
+            json_schema=json.dumps({"type": "string", "pattern": "(([a-z]?){0,70}){0,70}"})
+        ),
+    ],
+    ids=["regex", "schema pattern"],
+)
+def test_a_regex_too_costly_to_match_is_refused_before_it_compiles(
+    llms: dict[bool, LLM], constraint: StructuredOutput
+) -> None:
+    llm = llms[True]
+    with pytest.raises(ValueError, match="too costly to match: the counts of its repetitions"):
+        llm.generate(["a"], SamplingParams(max_tokens=4, structured=constraint), use_tqdm=False)
+    assert not llm.scheduler.has_work
 
 
 def test_a_grammar_that_dead_ends_ends_its_request_in_error(llms: dict[bool, LLM]) -> None:

@@ -10,7 +10,7 @@ arrives: its tokenizer tables took 1.3 s to build for Qwen3's vocabulary on a 2-
 import json
 import re
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -20,17 +20,23 @@ from typing import Any
 import numpy as np
 
 from minisgl.core import StructuredOutput
+from minisgl.scheduler.regex_cost import too_costly
 from minisgl.scheduler.unenforced import MAX_COUNT, repeats_past_limit, unenforced_keyword
 
 CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently used dropped first
 COMPILE_THREADS = 4
-# a matcher step (a token's mask, or a token accepted) may take this long, in its thread's CPU
-# time (other threads' work, on few cores, adds wall time); a grammar whose first mask takes
-# longer is refused, a request whose step does is ended: xgrammar matches an
-# ambiguous regex or grammar in time that grows with the output (`(([a-z]?){0,40}){0,40}`: 6.4 s
-# for its first mask on a 2-core CPU, a JSON schema's 0.2 ms), and the scheduler's every request
-# waits for its steps
+# a request's matcher steps (its tokens' masks and tokens accepted, all its prompts and choices
+# together) may take this long in one scheduler step, in their thread's CPU time (other threads'
+# work, on few cores, adds wall time); a grammar whose first mask takes longer is refused, a
+# request whose steps do is ended: xgrammar matches an ambiguous regex or grammar in time that
+# grows with the output (`([a-z]{1,5}){1,32}`: 0.53 s a mask on a 2-core CPU, a JSON schema's
+# 0.13 ms), and every request of the step waits for them (16 choices of 80-150 ms a step each:
+# another client's request waited up to 14 s)
 MAX_MATCH_SECONDS = 0.25
+_TOO_SLOW = (
+    "structured output too costly to match: its masks (all its prompts and choices together) "
+    f"took over {MAX_MATCH_SECONDS} s of CPU time in one step"
+)
 _OBJECT_SCHEMA = '{"type": "object"}'
 # xgrammar's log prefix on its error messages: "[21:38:14] /project/cpp/x.cc:5088: "
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -47,10 +53,17 @@ class Grammars:
     their request's tokens, and those waiting for their start token."""
 
     def __init__(
-        self, model_path: Path, vocab_size: int, eos_ids: Sequence[int], timed: bool = True
+        self,
+        model_path: Path,
+        vocab_size: int,
+        eos_ids: Sequence[int],
+        timed: bool = True,
+        alone: bool = True,
     ) -> None:
-        """timed: hold matcher steps to MAX_MATCH_SECONDS (TP rank 0 only: the others follow its
-        word, as their own times would decide apart)."""
+        """timed: hold requests' matcher steps to MAX_MATCH_SECONDS (TP rank 0 only: the others
+        follow its word, as their own times would decide apart). alone: no other rank fills
+        masks, so a request past its time fills no more of them before it ends (a rank that
+        filled its own could end it apart)."""
         self._model_path = model_path
         self._vocab_size = vocab_size
         self._eos_ids = list(eos_ids)
@@ -63,7 +76,12 @@ class Grammars:
         self._compiled: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
         self._matchers: dict[int, Any] = {}
         self._waiting: dict[int, tuple[int, Any]] = {}  # rid -> (start token, matcher)
+        self._request_of: dict[int, int] = {}  # rid -> the client request it is a row of
+        self._rows: Counter[int] = Counter()  # request -> its rows with a matcher
+        self._spent: dict[int, float] = {}  # request -> its matcher steps' seconds this step
+        self._ending: set[int] = set()  # requests past MAX_MATCH_SECONDS, to be ended
         self._timed = timed
+        self._alone = alone
         self._failed: list[tuple[int, str]] = []  # (request, why) whose matcher cannot go on
         self._too_slow: list[tuple[int, str]] = []  # (request, why) whose matcher took too long
 
@@ -133,13 +151,17 @@ class Grammars:
             )
         return grammar, ids[0]
 
-    def start(self, rid: int, spec: StructuredOutput, compiled: Future[Any]) -> None:
-        """Give a request a matcher at the grammar's start, holding its tokens now or once its
-        start token comes; raises ValueError as `check` does."""
+    def start(self, rid: int, spec: StructuredOutput, compiled: Future[Any], request: int) -> None:
+        """Give a row (`rid`) of a client request a matcher at the grammar's start, holding its
+        tokens now or once its start token comes; raises ValueError as `check` does."""
         import xgrammar
 
         grammar, start_token = self.check(spec, compiled)
         matcher = xgrammar.GrammarMatcher(grammar)
+        self._request_of[rid] = request
+        self._rows[request] += 1
+        if request in self._ending:  # its other rows are ending
+            self._too_slow.append((rid, _TOO_SLOW))
         if start_token is None:
             self._matchers[rid] = matcher
         else:
@@ -171,7 +193,15 @@ class Grammars:
         matcher = self._matchers[rid]
         return not self._timed_call(rid, matcher.accept_token, token) or matcher.is_terminated()
 
+    def new_step(self) -> None:
+        """A scheduler step begins: each request's matcher time is counted afresh."""
+        self._spent.clear()
+
     def fill_mask(self, rid: int, bits: np.ndarray, row: int) -> None:
+        """Fill the row's mask (one alone skips a request that is ending: the token its row
+        samples is never taken)."""
+        if self._alone and self._request_of[rid] in self._ending:
+            return
         self._timed_call(rid, self._matchers[rid].fill_next_token_bitmask, bits, row)
         if not bits[row].any():  # a grammar that dead-ends (`a[^\s\S]`) after some tokens
             self._failed.append((rid, "structured output allows no next token"))
@@ -179,11 +209,13 @@ class Grammars:
     def _timed_call(self, rid: int, call: Callable[..., Any], *args: Any) -> Any:
         start = time.thread_time()
         result = call(*args)
-        if self._timed and time.thread_time() - start > MAX_MATCH_SECONDS:
-            message = (
-                f"structured output too costly to match: a step took over {MAX_MATCH_SECONDS} s"
-            )
-            self._too_slow.append((rid, message))
+        request = self._request_of[rid]
+        if not self._timed or request in self._ending:
+            return result
+        self._spent[request] = self._spent.get(request, 0.0) + time.thread_time() - start
+        if self._spent[request] > MAX_MATCH_SECONDS:
+            self._ending.add(request)
+            self._too_slow += [(r, _TOO_SLOW) for r, q in self._request_of.items() if q == request]
         return result
 
     def take_failed(self) -> list[tuple[int, str]]:
@@ -193,14 +225,22 @@ class Grammars:
         return found
 
     def take_too_slow(self) -> list[tuple[int, str]]:
-        """The requests whose matcher took a step past MAX_MATCH_SECONDS since the last call,
-        and why (timed only): rank 0 ends them on every rank in its next turn (EndRequests)."""
+        """The rows of each request whose matcher steps took more than MAX_MATCH_SECONDS in a
+        step since the last call, and why (timed only): rank 0 ends them on every rank in its
+        next turn (EndRequests), before the step's tokens are taken."""
         found, self._too_slow = self._too_slow, []
         return found
 
     def drop(self, rid: int) -> None:
         self._matchers.pop(rid, None)
         self._waiting.pop(rid, None)
+        request = self._request_of.pop(rid, None)
+        if request is not None:
+            self._rows[request] -= 1
+            if not self._rows[request]:
+                del self._rows[request]
+                self._spent.pop(request, None)
+                self._ending.discard(request)
 
 
 def _compile(compiler: Future[_Compiler], spec: StructuredOutput, timed: bool) -> Any:
@@ -266,6 +306,9 @@ def _refuse_unenforced(
     texts = [(r, False) for r in regexes] + [(g, True) for g in grammars]
     if any(isinstance(t, str) and repeats_past_limit(t, ebnf) for t, ebnf in texts):
         raise ValueError(f"invalid structured output: a repetition count past {MAX_COUNT}")
+    for regex in regexes:
+        if isinstance(regex, str) and (why := too_costly(regex)) is not None:
+            raise ValueError(f"invalid structured output: a regex {why}")
 
 
 def _tag_parts(node: Any, kind: str, field: str) -> list[Any]:

@@ -57,6 +57,7 @@ class _Compiling(NamedTuple):
     req: Req
     grammar: Future[Any]
     submitted: float  # time.monotonic() when it asked for it
+    request: int  # the client request it is a row of (its first row's rid)
 
 
 @dataclass
@@ -91,7 +92,11 @@ class Scheduler:
         self._in_flight: _InFlight | None = None
         self._rng = random.Random(config.seed)
         self.grammars = Grammars(
-            engine.config.model_path, layout.vocab_size, eos_ids, timed=engine.config.tp_rank == 0
+            engine.config.model_path,
+            layout.vocab_size,
+            eos_ids,
+            timed=engine.config.tp_rank == 0,
+            alone=engine.config.tp_size == 1,
         )
         self._compiling: dict[int, _Compiling] = {}  # by rid
         self._wait_for_grammars = wait_for_grammars
@@ -103,7 +108,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_requests(self, requests: Sequence[tuple[int, list[int], SamplingParams]]) -> None:
-        """Add all the requests, or none: the first bad one raises ValueError before any is."""
+        """Add the rows of one client request (its prompts' choices), all or none: the first bad
+        one raises ValueError before any is."""
         rids: set[int] = set()
         for rid, prompt_ids, params in requests:
             if not isinstance(params, SamplingParams):
@@ -125,7 +131,7 @@ class Scheduler:
                 self.waiting.append(req)
             else:
                 grammar = self.grammars.compile(params.structured)
-                self._compiling[rid] = _Compiling(req, grammar, now)
+                self._compiling[rid] = _Compiling(req, grammar, now, requests[0][0])
 
     def abort_request(self, rid: int) -> Finished | None:
         """Stop a request now; None if it is unknown or already finished."""
@@ -164,6 +170,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()
     def step(self) -> StepOutputs:
+        self.grammars.new_step()
         done = None
         if (
             self._in_flight is not None
@@ -273,7 +280,7 @@ class Scheduler:
                 self._end_in_error([(rid, self._failure(entry) or "its grammar failed")])
             elif ready:
                 del self._compiling[rid]
-                self.grammars.start(rid, entry.req.params.structured, entry.grammar)
+                self.grammars.start(rid, entry.req.params.structured, entry.grammar, entry.request)
                 self.waiting.append(entry.req)
             elif late:
                 why = "compile" if entry.grammar.running() else "get a grammar thread (all busy)"
@@ -393,13 +400,17 @@ class Scheduler:
             picked.append((req, extend))
             budget -= extend
             prompt_rows -= extend if asks else 0
-        while self.waiting and budget > 0 and not preempted:
-            req = self.waiting[0]
+        passed = 0  # requests at the queue's head whose prompt logprobs wait for the next step
+        while len(self.waiting) > passed and budget > 0 and not preempted:
+            req = self.waiting[passed]
             asks = req.rid in self._prompt_logprobs
+            if asks and prompt_rows == 0:
+                passed += 1
+                continue
             extend = self._admit(req, min(budget, prompt_rows) if asks else budget)
             if extend == 0:
                 break
-            self.waiting.popleft()
+            del self.waiting[passed]
             self.running.append(req)
             picked.append((req, extend))
             budget -= extend

@@ -1,11 +1,13 @@
 """What xgrammar (0.2.9) would compile into a grammar without holding the output to it: each rule
 here was found with an output that breaks the constraint and that the grammar lets through. Such a
-constraint is refused (a ValueError, a 400 to a client), as vLLM's xgrammar backend refuses some."""
+constraint is refused (a ValueError, a 400 to a client), as vLLM's xgrammar backend refuses some;
+so is a pattern too costly to match (regex_cost)."""
 
 import json
-import re
 import string
 from typing import Any
+
+from minisgl.scheduler.regex_cost import COUNT, too_costly
 
 # xgrammar reads a larger count modulo 2^32: `a{4294967297}` matches "a", maxItems 2^32+1 allows 0
 MAX_COUNT = 2**31 - 1
@@ -44,7 +46,6 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 _MULTIPLE_STEP = 1024
 _MULTIPLE_SPAN = 10_000
 _INT64 = 2**63
-_REPETITION = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # EBNF allows the spaces
 # escapes a JSON string's pattern may hold: xgrammar matches a pattern against the string as
 # written in JSON, so one that names a quote, a backslash or a control character (`\x22`, `\n`)
 # lets through what is no JSON, and one with a character past ASCII drops its exclusion of them
@@ -159,6 +160,8 @@ def _of_strings(schema: dict[str, Any]) -> str | None:
     if isinstance(pattern, str):
         if repeats_past_limit(pattern):
             return f"pattern: a repetition count past {MAX_COUNT}"
+        if (found := too_costly(pattern)) is not None:
+            return f"pattern: {found}"
         if (found := _unsafe_in_pattern(pattern)) is not None:
             return f"pattern: {found} in a JSON string's pattern"
     return None
@@ -259,9 +262,9 @@ def repeats_past_limit(text: str, ebnf: bool = False) -> bool:
             closer = "]"
         elif ebnf and char in '"#':
             closer = '"' if char == '"' else "\n"
-        elif char == "{" and (match := _REPETITION.match(text, i)):
+        elif char == "{" and (match := COUNT.match(text, i)):
             # the length first: int() refuses a string of over 4,300 digits
-            if any(n and (len(n) > 10 or int(n) > MAX_COUNT) for n in match.groups()):
+            if any(n and (len(n) > 10 or int(n) > MAX_COUNT) for n in (match[1], match[3])):
                 return True
             i = match.end()
             continue

@@ -7,6 +7,7 @@ then each is answered with a 503 (a stream: an error event) and the process exit
 
 import asyncio
 import importlib.metadata
+import json
 import logging
 import secrets
 import signal
@@ -14,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import uvicorn
@@ -30,6 +32,7 @@ from minisgl.messages import Addresses, Ready, TokenizerAnswer, TokenizeRequest,
 from minisgl.utils import sampling_defaults
 
 from .args import ServerArgs
+from .disconnect import ClientGone, until_disconnected
 from .engine_client import EngineClient
 from .errors import ApiError
 from .generation import generate
@@ -103,6 +106,10 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:  # 404, 405, ...
         return _error_response(ApiError(e.status_code, str(e.detail), headers=e.headers))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> Response:
@@ -203,8 +210,9 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     async def version() -> Response:
         return json_response({"version": importlib.metadata.version("minisgl")})
 
-    async def ask(query: TokenizerQuery) -> TokenizerAnswer:
-        answer = await client.ask(query)
+    async def ask(request: Request, query: TokenizerQuery) -> TokenizerAnswer:
+        """The tokenizer's answer; a query whose client left is not run (if not begun)."""
+        answer = await until_disconnected(request, client.ask(query))
         if answer.error is not None:
             raise ApiError(400, answer.error)
         return answer
@@ -218,7 +226,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             client.new_rids(1)[0], body.prompt, messages, tools=template_tools(body.tools),
             template_kwargs=body.chat_template_kwargs,
         )  # fmt: skip
-        ids = (await ask(query)).ids
+        ids = (await ask(request, query)).ids
         assert ids is not None
         limit = engine_limits().max_seq_len
         return json_response({"count": len(ids), "max_model_len": limit, "tokens": ids})
@@ -226,7 +234,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         body = await read_body(request, DetokenizeBody)
-        answer = await ask(TokenizerQuery(client.new_rids(1)[0], ids=body.tokens))
+        answer = await ask(request, TokenizerQuery(client.new_rids(1)[0], ids=body.tokens))
         return json_response({"prompt": answer.text})
 
     @app.post("/v1/completions")
@@ -238,10 +246,11 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         tokenize = TokenizeRequest(
             client.new_rids(len(prompts) * body.n), choices, prompts,
             default_max_tokens=body.max_tokens is None,
+            max_prompt_logprobs=args.limits.max_prompt_logprobs,
         )  # fmt: skip
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
-            texts = [p if isinstance(p, str) else await prompt_text(p) for p in prompts]
+            texts = [p if isinstance(p, str) else await prompt_text(request, p) for p in prompts]
             echo = [text for text in texts for _ in range(body.n)]
         return await generate(
             request, client, CompletionFormat(), args.served_model_name, tokenize,
@@ -249,8 +258,8 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             include_usage=body.include_usage, timeout=args.request_timeout, echo=echo,
         )  # fmt: skip
 
-    async def prompt_text(ids: list[int]) -> str:
-        answer = await ask(TokenizerQuery(client.new_rids(1)[0], ids=ids))
+    async def prompt_text(request: Request, ids: list[int]) -> str:
+        answer = await ask(request, TokenizerQuery(client.new_rids(1)[0], ids=ids))
         assert answer.text is not None
         return answer.text
 
@@ -266,6 +275,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         tokenize = TokenizeRequest(
             client.new_rids(body.n), choices, messages=messages, tools=template_tools(body.tools),
             template_kwargs=body.chat_template_kwargs,
+            max_prompt_logprobs=args.limits.max_prompt_logprobs,
         )  # fmt: skip
         return await generate(
             request, client, fmt, args.served_model_name, tokenize, want_logprobs=body.logprobs,
@@ -364,11 +374,17 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
     first byte: one that never sends a whole request (a byte, half its headers) would hold its
     file descriptor for ever, and 20,000 of them left the server unreachable. The keep-alive
     timer runs from the start here, until a request's headers are complete (read_body times the
-    body)."""
+    body). httptools bounds no header's size (a 100 MB one took 12 s of the event loop): past
+    max_header_bytes of request line and headers, the request is a 431."""
+
+    def __init__(self, *args: Any, max_header_bytes: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._max_header_bytes = max_header_bytes
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._in_headers = False  # a request has begun and its headers are not complete
+        self._header_bytes = 0  # received since the request began, while in its headers
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
@@ -376,14 +392,32 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         timer, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None
         super().data_received(data)  # which would stop the timer at any byte
+        if self._in_headers:
+            self._header_bytes += len(data)
+            if self._header_bytes > self._max_header_bytes:
+                self._refuse_headers()
         if timer is not None and self._in_headers:
             self.timeout_keep_alive_task = timer
         elif timer is not None:
             timer.cancel()
 
+    def _refuse_headers(self) -> None:
+        self._in_headers = False
+        error = ApiError(
+            431, f"the request line and headers are over {self._max_header_bytes} bytes"
+        )
+        body = json.dumps(error.body()).encode()
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        self.transport.close()
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_headers = True
+        self._header_bytes = 0
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
@@ -399,7 +433,7 @@ def run_api_server(args: ServerArgs, addresses: Addresses) -> None:
         host=args.host,
         port=args.port,
         loop="uvloop",
-        http=_IdleTimeoutProtocol,
+        http=partial(_IdleTimeoutProtocol, max_header_bytes=args.limits.max_header_bytes),
         log_level="warning" if args.shell else args.log_level,
         access_log=not args.shell,
         timeout_keep_alive=args.timeout_keep_alive,

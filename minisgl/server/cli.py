@@ -83,12 +83,15 @@ _HELP = {
     "max_n": "choices per request at most (OpenAI's limit)",
     "max_prompts": "prompts per completions request at most (OpenAI's)",
     "max_request_bytes": "request body size at most; larger is a 413",
+    "max_header_bytes": "request line and headers size at most; larger is a 431",
     "max_stop_strings": "stop strings per request at most",
     "max_stop_length": "characters per stop string at most",
     "max_stop_token_ids": "stop_token_ids per request at most",
     "max_logit_bias": "tokens a request's logit_bias biases at most",
     "max_params_bytes": "bytes of sampling parameters a request's choices (prompts x n, each "
     "with its own copy) carry to the engine at most",
+    "max_prompt_logprobs": "prompt logprobs a request may ask for at most: its prompts' tokens "
+    "after the first, each with its own and its prompt_logprobs (or echo's logprobs) likeliest",
     "max_queued_requests": "requests waiting for their first token at most; more get a 429 "
     "(default: no limit)",
     "request_timeout": "seconds a request may run before it is stopped with a 400 whose code is "

@@ -146,6 +146,9 @@ class EngineClient:
         self._to_tokenizer.send(payload, copy=False)
         try:
             return await future
+        except asyncio.CancelledError:  # its client left: the bulk thread skips it if not begun
+            send(self._to_tokenizer, AbortRequest([query.qid]))
+            raise
         finally:
             self._queries.pop(query.qid, None)
 

@@ -7,7 +7,7 @@ aborted), when it runs past --request-timeout, or when the server shuts down."""
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -19,6 +19,7 @@ from starlette.responses import Response
 from minisgl.core import SamplingParams
 from minisgl.messages import Finished, ReqError, TextLogprobs, TokenizeRequest
 
+from .disconnect import until_disconnected
 from .engine_client import Delta, EngineClient, Interrupted, Item, ReqGroup
 from .errors import ApiError
 from .responses import Choice, ReplyFormat, json_response, usage, vllm_prompt_logprobs
@@ -51,45 +52,16 @@ async def generate(
     run = _Run(client, group, fmt, model, reply_id, tokenize.params, want_logprobs, timeout, echo)
     streaming = False
     try:
-        first = await _until_disconnected(request, run.next_items())
+        first = await until_disconnected(request, run.next_items())
         if stream:
             streaming = True  # the stream aborts what is left of the group when it ends
             return StreamingResponse(
                 run.stream(first, include_usage), media_type="text/event-stream", headers=headers
             )
-        return json_response(
-            await _until_disconnected(request, run.collect(first)), headers=headers
-        )
-    except _ClientGone:
-        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        return json_response(await until_disconnected(request, run.collect(first)), headers=headers)
     finally:
         if not streaming:
             client.abort(group)  # a no-op unless the request was cut short
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result; raises _ClientGone, and cancels it, if the client disconnects first.
-    Streaming responses need no watcher: Starlette cancels a stream whose client went away."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finished = task.done()
-    finally:  # also when this coroutine is cancelled: neither outlives it
-        task.cancel()
-        watcher.cancel()
-    if not finished:
-        raise _ClientGone
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ class RequestLimits:
     max_n: int = 128
     max_prompts: int = 2048
     max_request_bytes: int = 32 << 20
+    max_header_bytes: int = 64 << 10  # request line and headers (nginx: 32 KiB, Node: 16 KiB)
     max_stop_strings: int = 64
     max_stop_length: int = 1024  # characters
     # each choice carries its own copy of these lists to the tokenizer and the scheduler
@@ -23,12 +24,15 @@ class RequestLimits:
     # every choice of every prompt carries its own copy of the params through the tokenizer to
     # the scheduler: 2,048 prompts x n 128 of the largest params above would be ~21 GB
     max_params_bytes: int = 64 << 20
+    # 256 prompts of 2,000 tokens with 20 each: a 731 MB answer, 4.2 GB more in the API server
+    max_prompt_logprobs: int = 1 << 20
     max_queued_requests: int | None = None  # engine requests waiting for a first token
 
     def __post_init__(self) -> None:
         check_positive(
-            self, "max_n", "max_prompts", "max_request_bytes", "max_stop_strings",
+            self, "max_n", "max_prompts", "max_request_bytes", "max_header_bytes", "max_stop_strings",
             "max_stop_length", "max_stop_token_ids", "max_logit_bias", "max_params_bytes",
+            "max_prompt_logprobs",
         )  # fmt: skip
         check_positive(self, "max_queued_requests", optional=True)
 

@@ -87,6 +87,7 @@ class Tokenize:
                 for prompt in request.prompts or [None]
             ]
             params = [self._bounded(request, ids) for ids in prompts]
+            self._check_prompt_logprobs(request, prompts)
             for ids, prompt_params in zip(prompts, params, strict=True):
                 # rejected here, before queuing, by the scheduler's own rule
                 check_prompt(ids, self.limits.max_seq_len, self.limits.vocab_size, prompt_params[0])
@@ -97,6 +98,20 @@ class Tokenize:
             for rid, choice in zip(prompt_rids, prompt_params, strict=True):
                 self._new.put((rid, ids, choice))
         return AddRequests(prompts, rids, params)
+
+    @staticmethod
+    def _check_prompt_logprobs(request: TokenizeRequest, prompts: list[list[int]]) -> None:
+        """Raise ValueError for a request that asks for more prompt logprobs than it may."""
+        top = request.params[0].prompt_logprobs  # a prompt's first choice asks for its prompt's
+        bound = request.max_prompt_logprobs
+        if top is None or bound is None:
+            return
+        asked = sum(len(ids) - 1 for ids in prompts) * (top + 1)
+        if asked > bound:
+            raise ValueError(
+                f"the request asks for {asked} prompt logprobs (its prompts' tokens after the "
+                f"first x {top + 1}), more than the {bound} a request may (--max-prompt-logprobs)"
+            )
 
     def _bounded(self, request: TokenizeRequest, ids: list[int]) -> list[SamplingParams]:
         """The choices' params for one prompt: a default max_tokens at most the room it leaves
@@ -280,8 +295,7 @@ class _Lanes:
     def take(self, msg: object, size: int) -> None:
         """A message from the API server, `size` bytes as sent."""
         if isinstance(msg, (TokenizeRequest, TokenizerQuery)) and size > BULK_BYTES:
-            if isinstance(msg, TokenizeRequest):
-                self._in_bulk.update(msg.rids)
+            self._in_bulk.update(msg.rids if isinstance(msg, TokenizeRequest) else [msg.qid])
             self._bulk_jobs.put(msg)
         elif isinstance(msg, TokenizeRequest):
             self.forward(self._tokenize(msg))
@@ -305,6 +319,8 @@ class _Lanes:
         """A request's prompts on to the scheduler (then its abort, if it came meanwhile), or
         its error, its end unread, or a query's answer back to the API server."""
         if isinstance(result, TokenizerAnswer):
+            self._in_bulk.discard(result.qid)
+            self._aborted.discard(result.qid)
             send(self._to_api, result)
             return
         if isinstance(result, TextOutputs):
@@ -331,7 +347,10 @@ def _bulk_loop(
     while True:
         job = jobs.get()
         if isinstance(job, TokenizerQuery):
-            send(answers, tokenize.answer(job))
+            gone = all_aborted([job.qid])
+            send(
+                answers, TokenizerAnswer(job.qid, error="aborted") if gone else tokenize.answer(job)
+            )
         elif all_aborted(job.rids):
             send(
                 answers,

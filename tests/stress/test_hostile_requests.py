@@ -23,6 +23,7 @@ from .checks import (
     PROMPT_TOKENS,
     assert_clean,
     assert_openai_error,
+    check_error_body,
     delta,
     ended,
     finished,
@@ -299,6 +300,28 @@ def test_a_client_that_leaves_before_its_long_prompts_are_tokenized_is_never_tok
     assert delta(before, after, finished("abort")) == len(prompts)
     assert delta(before, after, PROMPT_TOKENS) == 0
     assert_clean(server, before)
+
+
+def test_tokenize_queries_whose_clients_left_before_their_turn_are_never_run(
+    server: ServerProcess,
+) -> None:
+    """Three long /tokenize queries queued behind a fourth, their clients gone, cost a fifth
+    query nothing (before, it waited for all four: ~4 x the first's time)."""
+    text = {"prompt": "Once upon a time there was a girl. " * 100_000}  # 3.5 MB
+    start = time.monotonic()
+    assert server.post("/tokenize", json=text, timeout=60).status_code == 200
+    alone = time.monotonic() - start
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(server.post, "/tokenize", json=text, timeout=60)
+        time.sleep(0.3)  # read and passed on
+        for _ in range(3):
+            RawRequest(server, "/tokenize", text).leave()
+        time.sleep(0.3)
+        start = time.monotonic()
+        last = server.post("/tokenize", json={"prompt": "Once " * 60_000}, timeout=60)
+        waited = time.monotonic() - start
+        assert first.result().status_code == 200 and last.status_code == 200
+    assert waited < alone + 0.5 * alone, (waited, alone)
 
 
 # ---------------------------------------------------------------------------------------- D7
@@ -587,6 +610,31 @@ def test_clients_that_leave_mid_body_leave_no_traceback(server: ServerProcess) -
     time.sleep(1)  # the last ones' log lines
     log = server.log_path.read_bytes()[log_size:]
     assert b"Traceback" not in log and len(log) < 20 * 512, log[-2000:]
+
+
+@pytest.mark.parametrize("where", ["request line", "header"])
+def test_headers_over_64_kib_are_a_431_and_the_connection_closed(
+    server: ServerProcess, where: str
+) -> None:
+    filler = "x" * (70 << 10)
+    if where == "request line":
+        head = f"GET /health?{filler} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    else:
+        head = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: {filler}\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head.encode())  # no blank line: the headers never end
+        answer = b""
+        while data := sock.recv(65536):  # until the server closes
+            answer += data
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 431"), answer[:300]
+    check_error_body(json.loads(body), repr(answer[:300]))
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_headers_under_64_kib_are_served(server: ServerProcess) -> None:
+    headers = {"X-Filler": "x" * (60 << 10)}
+    assert httpx.get(server.url + "/health", headers=headers, timeout=10).status_code == 200
 
 
 # --------------------------------------------------------------------------------------- D12
