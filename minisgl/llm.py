@@ -172,7 +172,7 @@ class LLM:
                 )
         if not all(isinstance(p, SamplingParams) for p in prompt_params):
             raise ValueError("sampling_params must be a SamplingParams or a list of them")
-        add = AddRequests([], [], [])
+        add = AddRequests([], [], [], prompts_apart=True)
         for prompt, p in zip(tokenized, prompt_params, strict=True):
             choices = choice_params(p, p.n)
             add.prompts.append(prompt)

@@ -103,11 +103,13 @@ class FlushPrefixCache:
 @_wire
 @dataclass
 class AddRequests:
-    """Requests to add, all or none: each prompt with the rids and params of its choices."""
+    """Requests to add, all or none: each prompt with the rids and params of its choices. They
+    are one client's request, or (offline: a batch, not a client) each prompt's choices one."""
 
     prompts: list[list[int]]
     rids: list[list[int]]
     params: list[list[SamplingParams]]
+    prompts_apart: bool = False
 
 
 # ---------------------------------------------------------------------- scheduler rank 0 -> ranks

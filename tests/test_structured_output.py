@@ -19,6 +19,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import StructuredOutput
+from minisgl.messages import AddRequests
 from minisgl.scheduler.grammar import Grammars
 from minisgl.scheduler.regex_cost import MAX_SPLITS, splits, too_costly
 from minisgl.scheduler.unenforced import repeats_past_limit, unenforced_keyword
@@ -304,13 +305,54 @@ def test_the_matcher_steps_of_a_request_s_choices_add_up_to_its_bound(
     assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no overlap"])
+def test_the_rows_of_a_request_past_its_bound_send_nothing_outside_its_grammar(
+    llms: dict[bool, LLM], qwen3_path: str, overlap: bool
+) -> None:
+    """Its rows' masks are skipped once it is past its time, and it is ended before the step's
+    tokens are taken: with overlap off these are taken in the turn that filled the masks, and
+    23 of 32 rows finished "stop" with tokens the regex refuses before."""
+    llm = llms[overlap]
+    params = SamplingParams(max_tokens=16, min_tokens=16, structured=StructuredOutput(regex=WORDS))
+    rids = list(range(10**6, 10**6 + 32))
+    messages: list = [AddRequests([[1, 2, 3]], [rids], [[params] * len(rids)])]
+    tokens: dict[int, list[int]] = {rid: [] for rid in rids}
+    errors: dict[int, str] = {}
+    while messages or llm.scheduler.has_work:
+        out = llm._worker.step(messages)
+        messages = []
+        for rid, token in zip(out.rids, out.token_ids, strict=True):
+            tokens[rid].append(token)
+        assert not {f.rid for f in out.finished} & set(rids)
+        errors |= {e.rid: e.message for e in out.errors}
+    assert set(errors) == set(rids), errors
+    assert all("too costly to match: its masks" in message for message in errors.values())
+    tokenizer = load_tokenizer(Path(qwen3_path))
+    for rid in rids:  # what came out is a prefix of a match, which matches: a word is one
+        assert re.fullmatch(WORDS, tokenizer.decode(tokens[rid])), tokenizer.decode(tokens[rid])
+    llm.scheduler.check_integrity()
+
+
+def test_a_batch_of_prompts_offline_bounds_each_prompt_s_matcher_time_apart(
+    llms: dict[bool, LLM],
+) -> None:
+    """Offline, a batch is no client's request: 12 prompts of WORDS, ~28 ms a row a step, are
+    served, though they take more than a request's bound a step together."""
+    params = SamplingParams(max_tokens=8, min_tokens=8, structured=StructuredOutput(regex=WORDS))
+    results = llms[True].generate([f"p{i}" for i in range(12)], params, use_tqdm=False)
+    assert all(len(result["token_ids"]) == 8 for result in results)
+
+
 # (pattern, its splits): counts over parts of varying length multiply, nested or side by side
 SPLITS = [
-    ("[a-z]{0,1000}", 1), (r"\d{3}-\d{3}-\d{4}", 1), ("([a-z]+ ?)*", 1), ("(a|b){5}", 1),
-    (r"(\d{1,3}\.){3}\d{1,3}", 3), ("(a|bc){5}", 5), ("(ab?){3,}", 3), ("(?:x?){20}", 20),
-    ("([A-Za-z]+ ){0,31}[A-Za-z]+", 31), ("(([a-z]?){0,4}){0,8}", 32), ("[]a]{3}", 1),
-    ("([a-z]?){0,5}([a-z]?){0,7}", 33), ("([a-z]{1,5}){1,33}", 33), ("a{2}{3}", 1),
-    ("(([a-z]?){0,40}){0,40}", 33), ("x|(y?){40}", 33), ("(", 1), ("", 1),
+    ("[a-z]{0,1000}", 1), (r"\d{3}-\d{3}-\d{4}", 1), ("([a-z]+ ?)*", 4), ("(a|b){5}", 1),
+    (r"(\d{1,3}\.){3}\d{1,3}", 1), ("(a|bc){5}", 5), ("(ab?){3,}", 1), ("([a-z]{1,5}){1,32}", 32),
+    (r"(\d+,){1,100}", 1), ("[A-Z][a-z]+(, [A-Z][a-z]+){0,49}", 1), (r"(-?\d+(\.\d+)?,){0,33}", 1),
+    ("([A-Za-z]+ ){0,63}[A-Za-z]+", 1), (r"(\u0041|b){40}", 1), (r"((\w+ )*\w+\. )*", 4),
+    ("(([a-z]+ ?)+){0,8}", 32), ("(([a-z]+ ?)*){0,8}", 33), ("((a|bc)+){0,8}", 32), ("[]a]{3}", 1), ("a{2}{3}", 1), ("(", 1), ("", 1),
+    ("([a-z]{1,5}){1,33}", 33), ("(([a-z]+ ?){1,10}){1,10}", 33), ("x(([a-z]+)*)*(a|bc){3}", 33),
+    ("([a-z]?){0,2}", 33), ("x(([a-z]?)*){0,2}", 33), ("(?:x*){2}", 33), ("x|(y?){40}", 33),
+    ("(" * 65 + "a" + ")" * 65, 33),
 ]  # fmt: skip
 
 
@@ -320,21 +362,43 @@ def test_a_regex_s_splits_count_its_varying_repetitions(pattern: str, expected: 
     assert (too_costly(pattern) is None) == (expected <= MAX_SPLITS)
 
 
+COSTLY = "too costly to match: the counts of its repetitions"
+LONG_PATTERN = "[a-z]" * 12_000  # 60,000 characters
+
+
 @pytest.mark.parametrize(
-    "constraint",
+    ("constraint", "match"),
     [
-        StructuredOutput(regex="([a-z]?){0,40}([a-z]?){0,40}"),  # 12.4 s a mask
-        StructuredOutput(
-            json_schema=json.dumps({"type": "string", "pattern": "(([a-z]?){0,70}){0,70}"})
+        (StructuredOutput(regex="([a-z]?){0,40}([a-z]?){0,40}"), COSTLY),  # 12.4 s a mask
+        (StructuredOutput(regex="x(([a-z]?)*){0,16}(([a-z]?)*){0,2}"), COSTLY),  # 76 s
+        (
+            StructuredOutput(
+                json_schema=json.dumps({"type": "string", "pattern": "(([a-z]?){0,70}){0,70}"})
+            ),
+            COSTLY,
+        ),
+        (StructuredOutput(regex="a" * 100_001), "over 100000 characters of regex in all"),
+        (
+            StructuredOutput(
+                json_schema=json.dumps(
+                    {
+                        "type": "object",
+                        "properties": {
+                            name: {"type": "string", "pattern": LONG_PATTERN} for name in "ab"
+                        },
+                    }
+                )
+            ),
+            "over 100000 characters of regex in all",
         ),
     ],
-    ids=["regex", "schema pattern"],
+    ids=["regex", "star under a count", "schema pattern", "long regex", "long patterns"],
 )
 def test_a_regex_too_costly_to_match_is_refused_before_it_compiles(
-    llms: dict[bool, LLM], constraint: StructuredOutput
+    llms: dict[bool, LLM], constraint: StructuredOutput, match: str
 ) -> None:
     llm = llms[True]
-    with pytest.raises(ValueError, match="too costly to match: the counts of its repetitions"):
+    with pytest.raises(ValueError, match=match):
         llm.generate(["a"], SamplingParams(max_tokens=4, structured=constraint), use_tqdm=False)
     assert not llm.scheduler.has_work
 

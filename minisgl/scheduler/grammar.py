@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from minisgl.core import StructuredOutput
-from minisgl.scheduler.regex_cost import too_costly
+from minisgl.scheduler.regex_cost import MAX_REGEX_LENGTH, too_costly
 from minisgl.scheduler.unenforced import MAX_COUNT, repeats_past_limit, unenforced_keyword
 
 CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently used dropped first
@@ -61,9 +61,9 @@ class Grammars:
         alone: bool = True,
     ) -> None:
         """timed: hold requests' matcher steps to MAX_MATCH_SECONDS (TP rank 0 only: the others
-        follow its word, as their own times would decide apart). alone: no other rank fills
-        masks, so a request past its time fills no more of them before it ends (a rank that
-        filled its own could end it apart)."""
+        follow its word, as their own times would decide apart). alone: no other rank keeps
+        matchers, so a request past its time is ended as one whose matcher cannot go on (at once,
+        before its step's tokens are taken) and fills no more masks meanwhile."""
         self._model_path = model_path
         self._vocab_size = vocab_size
         self._eos_ids = list(eos_ids)
@@ -161,7 +161,7 @@ class Grammars:
         self._request_of[rid] = request
         self._rows[request] += 1
         if request in self._ending:  # its other rows are ending
-            self._too_slow.append((rid, _TOO_SLOW))
+            self._past_time.append((rid, _TOO_SLOW))
         if start_token is None:
             self._matchers[rid] = matcher
         else:
@@ -215,18 +215,26 @@ class Grammars:
         self._spent[request] = self._spent.get(request, 0.0) + time.thread_time() - start
         if self._spent[request] > MAX_MATCH_SECONDS:
             self._ending.add(request)
-            self._too_slow += [(r, _TOO_SLOW) for r, q in self._request_of.items() if q == request]
+            rows = [(r, _TOO_SLOW) for r, q in self._request_of.items() if q == request]
+            self._past_time.extend(rows)
         return result
 
+    @property
+    def _past_time(self) -> list[tuple[int, str]]:
+        """Where the rows of a request past MAX_MATCH_SECONDS go: alone, with those whose matcher
+        cannot go on; else to rank 0's word for every rank (take_too_slow)."""
+        return self._failed if self._alone else self._too_slow
+
     def take_failed(self) -> list[tuple[int, str]]:
-        """The requests whose matcher cannot go on since the last call (no token allowed next:
-        the same on every rank), and why: they are to be ended now."""
+        """The requests whose matcher cannot go on since the last call (no token allowed next,
+        the same on every rank; alone, a request past MAX_MATCH_SECONDS too), and why: they are
+        to be ended now."""
         found, self._failed = self._failed, []
         return found
 
     def take_too_slow(self) -> list[tuple[int, str]]:
         """The rows of each request whose matcher steps took more than MAX_MATCH_SECONDS in a
-        step since the last call, and why (timed only): rank 0 ends them on every rank in its
+        step since the last call, and why (timed, not alone): rank 0 ends them on every rank in its
         next turn (EndRequests), before the step's tokens are taken."""
         found, self._too_slow = self._too_slow, []
         return found
@@ -299,7 +307,13 @@ def _grammar(c: Any, spec: StructuredOutput) -> Any:
 def _refuse_unenforced(
     schemas: Sequence[Any] = (), regexes: Sequence[Any] = (), grammars: Sequence[Any] = ()
 ) -> None:
-    """Raise ValueError for a constraint xgrammar would not hold the output to."""
+    """Raise ValueError for a constraint xgrammar would not hold the output to, or too costly."""
+    texts = [r for r in regexes if isinstance(r, str)]
+    texts += [p for schema in schemas for p in _patterns(schema)]
+    if sum(map(len, texts)) > MAX_REGEX_LENGTH:
+        raise ValueError(
+            f"invalid structured output: over {MAX_REGEX_LENGTH} characters of regex in all"
+        )
     for schema in schemas:
         if (found := unenforced_keyword(schema, "#")) is not None:
             raise ValueError(f"invalid structured output: {found} is not supported")
@@ -309,6 +323,16 @@ def _refuse_unenforced(
     for regex in regexes:
         if isinstance(regex, str) and (why := too_costly(regex)) is not None:
             raise ValueError(f"invalid structured output: a regex {why}")
+
+
+def _patterns(node: Any) -> list[str]:
+    """Every string under a "pattern" key in a JSON schema (a property named so too)."""
+    if isinstance(node, list):
+        return [p for item in node for p in _patterns(item)]
+    if not isinstance(node, dict):
+        return []
+    own = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    return own + [p for value in node.values() for p in _patterns(value)]
 
 
 def _tag_parts(node: Any, kind: str, field: str) -> list[Any]:

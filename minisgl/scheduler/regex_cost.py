@@ -1,77 +1,135 @@
 """What a regex costs xgrammar (0.2.9) to match, read from its text before anything is compiled.
 
-A repetition with a count (`{n,m}`, `{n}`, `{n,}`) is expanded into that many copies, and where the
-part repeated varies in length the matcher follows every way of splitting the output between the
-copies: a step's time grows with the product of such counts, nested or side by side. Measured on a
-2-core CPU, the worst mask of 30-40 random tokens: `([a-z]?){0,20}` 0.11 s, `(([a-z]?){0,8}){0,8}`
-0.95 s, `([a-z]{1,5}){1,64}` 2.1 s, `([a-z]?){0,40}([a-z]?){0,40}` 12.4 s; a count over a part of
-fixed length costs nothing of the kind (`[a-z]{0,1000}`: 3 ms), nor does `*` or `+`."""
+A repetition with a count (`{n,m}`, `{n}`) is expanded into that many copies, and where the part
+repeated varies in length the matcher follows every way of splitting the output between the
+copies: a step's time grows with the product of such counts, nested or side by side. A `*`, `+` or
+`{n,}` over such a part nests the same way, and a repeated part that may match nothing costs past
+any bound (`x(([a-z]?)*){0,2}`: 3.3 s for a mask, `x(([a-z]?)*){0,16}(([a-z]?)*){0,2}`: 76 s).
+Measured on a 2-core CPU, the worst mask of 30-40 random tokens: `([a-z]{1,5}){1,10}` 0.13 s,
+`([a-z]{1,5}){1,32}` 0.53 s, `([a-z]{1,5}){1,64}` 2.1 s, `([a-z]?){0,40}([a-z]?){0,40}` 12.4 s. A
+count over a part of fixed length costs nothing of the kind (`[a-z]{0,1000}`: 3 ms), nor does one
+over a part that starts or ends with a character none of its other atoms matches, which splits
+its copies one way only (`(\\d+,){1,100}`: 1.5 ms)."""
 
 import re
+from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
-# the largest product allowed: `([A-Za-z]+ ){0,31}` passes, `([a-z]?){0,5}([a-z]?){0,7}` does not
+# the largest product allowed: `([a-z]{1,5}){1,32}` passes (0.53 s a mask), `{1,33}` does not
 MAX_SPLITS = 32
+# a `*`, `+` or `{n,}` over a part of varying length counts as this many copies
+UNBOUNDED_COPIES = 4
+# characters of regex one constraint may hold (its patterns together): reading them takes ~2.4 us a
+# character here, in the scheduler process
+MAX_REGEX_LENGTH = 100_000
+_MAX_DEPTH = 64  # groups within groups
 _QUANTIFIERS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
-COUNT = re.compile(
-    r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}"
-)  # `{n}`, `{n,}`, `{n,m}`; EBNF allows the spaces
+COUNT = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")  # `{n}`, `{n,}`, `{n,m}`; EBNF allows spaces
+_CLASS_ESCAPES = set("dDwWsSbBpP0123456789")  # `\p{L}`, a back reference: not one character
+_CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
+_PROPERTY = re.compile(r"\{[^}]*\}")  # `\p{L}`'s
+_HEX_ESCAPE = re.compile(r"x([0-9A-Fa-f]{2})|u([0-9A-Fa-f]{4})|u\{([0-9A-Fa-f]{1,6})\}")
 
 
 @dataclass(frozen=True)
 class _Part:
     shortest: int
     longest: int | None  # None: no bound
-    splits: int  # the product of the counts above
+    splits: int  # the product of the counts above, up to MAX_SPLITS + 1
+    atoms: Counter[str]  # its atoms: a character (length 1), or a class's regex
+    first: str | None = None  # the character every match starts with, where there is one
+    last: str | None = None  # the one every match ends with
 
     @property
     def varies(self) -> bool:
         return self.shortest != self.longest
 
+    @property
+    def delimited(self) -> bool:
+        """Copies of the part side by side split one way only: it starts (or ends) with a
+        character that no other atom of it matches."""
+        return any(
+            c is not None and sum(n for atom, n in self.atoms.items() if _matches(atom, c)) == 1
+            for c in (self.first, self.last)
+        )
+
+
+class _TooDeep(Exception):
+    pass
+
 
 def too_costly(pattern: str) -> str | None:
     """Why a regex is too costly to match; None if it is not. Its counts are at most
-    unenforced.MAX_COUNT (repeats_past_limit)."""
+    unenforced.MAX_COUNT (repeats_past_limit), its length at most MAX_REGEX_LENGTH."""
     if splits(pattern) <= MAX_SPLITS:
         return None
     return (
         "too costly to match: the counts of its repetitions of parts of varying length, nested or "
-        f"side by side, multiply past {MAX_SPLITS}"
+        f"side by side, multiply past {MAX_SPLITS} (`*` and `+` count {UNBOUNDED_COPIES}), or it "
+        "repeats a part that may match nothing"
     )
 
 
 def splits(pattern: str) -> int:
-    """The product of the counts of repetitions of parts of varying length, nested or in sequence
-    (the largest over alternatives), up to MAX_SPLITS + 1; 1 for a pattern with none. A pattern
-    xgrammar cannot read gets some number: its own error comes when it compiles."""
-    return _Reader(pattern).alternatives().splits
+    """The product of the counts of repetitions of parts of varying length (but delimited ones),
+    nested or in sequence (the largest over alternatives), up to MAX_SPLITS + 1; 1 for a pattern
+    with none, MAX_SPLITS + 1 for groups nested past _MAX_DEPTH. A pattern xgrammar cannot read
+    gets some number: its own error comes when it compiles."""
+    try:
+        return _Reader(pattern).alternatives().splits
+    except _TooDeep:
+        return MAX_SPLITS + 1
+
+
+@lru_cache(maxsize=4096)
+def _matches(atom: str, char: str) -> bool:
+    """Whether the atom may match the character (a class Python cannot read: yes)."""
+    if len(atom) == 1:
+        return atom == char
+    try:
+        return re.fullmatch(atom, char) is not None
+    except re.error:
+        return True
 
 
 class _Reader:
     def __init__(self, pattern: str) -> None:
         self.text = pattern
         self.i = 0
+        self.depth = 0
 
     def alternatives(self) -> _Part:
         options = [self._sequence()]
         while self.text.startswith("|", self.i):
             self.i += 1
             options.append(self._sequence())
+        if len(options) == 1:
+            return options[0]
         lengths = [o.longest for o in options]
+        atoms = Counter[str]()
+        for option in options:
+            atoms.update(option.atoms)
         return _Part(
             min(o.shortest for o in options),
             None if None in lengths else max(lengths),  # type: ignore[type-var]
             max(o.splits for o in options),
+            atoms,
         )
 
     def _sequence(self) -> _Part:
-        shortest, longest, product = 0, 0, 1
+        shortest, longest, product, atoms = 0, 0, 1, Counter[str]()
+        parts = []
         while self.i < len(self.text) and self.text[self.i] not in "|)":
             part = self._repeated(self._atom())
+            parts.append(part)
             shortest += part.shortest
             longest = None if longest is None or part.longest is None else longest + part.longest
-            product = min(product * part.splits, MAX_SPLITS + 1)  # a bound, not a bignum
-        return _Part(shortest, longest, product)
+            product = min(product * part.splits, MAX_SPLITS + 1)
+            atoms.update(part.atoms)
+        first = parts[0].first if parts else None
+        last = parts[-1].last if parts else None
+        return _Part(shortest, longest, product, atoms, first, last)
 
     def _atom(self) -> _Part:
         char = self.text[self.i]
@@ -81,20 +139,41 @@ class _Reader:
                 self.i += 1
                 while self.i < len(self.text) and self.text[self.i] in ":=!<>":
                     self.i += 1
+            self.depth += 1
+            if self.depth > _MAX_DEPTH:
+                raise _TooDeep
             inner = self.alternatives()
+            self.depth -= 1
             self.i += 1  # the closing parenthesis
             return inner
         if char in "^$":
-            return _Part(0, 0, 1)
+            return _Part(0, 0, 1, Counter())
         if char == "\\":
-            self.i += 1
-        elif char == "[":
+            return self._escape()
+        if char == "[":
+            start = self.i - 1
             self.i += self.text.startswith("^", self.i)
             self.i += self.text.startswith("]", self.i)  # `[]...]`: a bracket as its first member
             while self.i < len(self.text) and self.text[self.i] != "]":
                 self.i += 2 if self.text[self.i] == "\\" else 1
             self.i += 1
-        return _Part(1, 1, 1)
+            return _class(self.text[start : self.i])
+        if char == ".":
+            return _class("(?s:.)")
+        return _literal(char)
+
+    def _escape(self) -> _Part:
+        """The atom of the escape after a backslash."""
+        char = self.text[self.i : self.i + 1]
+        if match := _HEX_ESCAPE.match(self.text, self.i):
+            self.i = match.end()
+            return _literal(chr(min(int(next(g for g in match.groups() if g), 16), 0x10FFFF)))
+        self.i += 1
+        if char in _CLASS_ESCAPES:
+            if char in "pP" and (match := _PROPERTY.match(self.text, self.i)):
+                self.i = match.end()
+            return _class("\\" + char if char not in "pP0123456789" else "(?s:.)")
+        return _literal(_CONTROL_ESCAPES.get(char, char))
 
     def _repeated(self, part: _Part) -> _Part:
         counts = self._counts()
@@ -109,9 +188,15 @@ class _Reader:
             longest = None
         else:
             longest = high * part.longest
-        copies = high if high is not None else max(low, 1)
-        product = part.splits * copies if part.varies else part.splits
-        return _Part(low * part.shortest, longest, min(product, MAX_SPLITS + 1))
+        if part.shortest == 0 and part.longest != 0 and (high is None or high > 1):
+            copies = MAX_SPLITS + 1  # each copy may match nothing: any number of them at each place
+        elif not part.varies or part.delimited:
+            copies = 1
+        else:
+            copies = high if high is not None else max(low, UNBOUNDED_COPIES)
+        edges = (part.first, part.last) if low >= 1 else (None, None)
+        product = min(part.splits * copies, MAX_SPLITS + 1)
+        return _Part(low * part.shortest, longest, product, part.atoms, *edges)
 
     def _counts(self) -> tuple[int, int | None] | None:
         """The quantifier at the reader's place (passed over), as (at least, at most)."""
@@ -124,3 +209,11 @@ class _Reader:
         self.i = match.end()
         low, comma, high = match.groups()
         return int(low), int(high) if high else None if comma else int(low)
+
+
+def _literal(char: str) -> _Part:
+    return _Part(1, 1, 1, Counter([char]), char, char)
+
+
+def _class(regex: str) -> _Part:
+    return _Part(1, 1, 1, Counter([regex]))

@@ -107,9 +107,14 @@ class Scheduler:
         self._prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}
 
     # ------------------------------------------------------------------ requests in and out
-    def add_requests(self, requests: Sequence[tuple[int, list[int], SamplingParams]]) -> None:
-        """Add the rows of one client request (its prompts' choices), all or none: the first bad
-        one raises ValueError before any is."""
+    def add_requests(
+        self,
+        requests: Sequence[tuple[int, list[int], SamplingParams]],
+        owners: Sequence[int] | None = None,
+    ) -> None:
+        """Add the requests, all or none: the first bad one raises ValueError before any is.
+        owners: the client request each is a row of (by its first row's rid; default: one
+        client request, the first's), whose rows' matcher time is bounded together."""
         rids: set[int] = set()
         for rid, prompt_ids, params in requests:
             if not isinstance(params, SamplingParams):
@@ -119,7 +124,7 @@ class Scheduler:
                 raise ValueError(f"request id {rid} is already in use")
             rids.add(rid)
         now = time.monotonic()
-        for rid, prompt_ids, params in requests:
+        for k, (rid, prompt_ids, params) in enumerate(requests):
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             req = Req(rid=rid, token_ids=list(prompt_ids), params=params, seed=seed)
             self._reqs[rid] = req
@@ -131,7 +136,8 @@ class Scheduler:
                 self.waiting.append(req)
             else:
                 grammar = self.grammars.compile(params.structured)
-                self._compiling[rid] = _Compiling(req, grammar, now, requests[0][0])
+                owner = owners[k] if owners is not None else requests[0][0]
+                self._compiling[rid] = _Compiling(req, grammar, now, owner)
 
     def abort_request(self, rid: int) -> Finished | None:
         """Stop a request now; None if it is unknown or already finished."""

@@ -77,8 +77,13 @@ class SchedulerWorker:
                     for prompt, rids, choices in zip(msg.prompts, msg.rids, msg.params, strict=True)
                     for rid, params in zip(rids, choices, strict=True)
                 ]
+                owners = [  # the first rid of the client request each is a row of
+                    rids[0] if msg.prompts_apart else msg.rids[0][0]
+                    for rids in msg.rids
+                    for _ in rids
+                ]
                 try:
-                    self.scheduler.add_requests(requests)
+                    self.scheduler.add_requests(requests, owners)
                 except ValueError as e:
                     errors += [ReqError(rid, str(e)) for rid, _, _ in requests]
             elif isinstance(msg, FlushPrefixCache):

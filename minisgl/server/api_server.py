@@ -369,13 +369,21 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _HeadersTooLarge(Exception):
+    """Raised from a parser callback: httptools stops, uvicorn answers (send_400_response)."""
+
+
 class _IdleTimeoutProtocol(HttpToolsProtocol):
     """uvicorn times a connection out only after a response, and stops the timer at a request's
     first byte: one that never sends a whole request (a byte, half its headers) would hold its
     file descriptor for ever, and 20,000 of them left the server unreachable. The keep-alive
     timer runs from the start here, until a request's headers are complete (read_body times the
-    body). httptools bounds no header's size (a 100 MB one took 12 s of the event loop): past
-    max_header_bytes of request line and headers, the request is a 431."""
+    body). httptools bounds no header's size, and gathers a long one piece by piece (a 100 MB
+    one took 12 s of the event loop): past max_header_bytes of request line, headers and
+    trailers, a request is a 431. Each piece (request line, header, trailer) counts as it is
+    complete in the read the request begins in or in its body; a read of nothing but unfinished
+    headers (or trailers) counts whole instead; the read that ends headers begun in an earlier
+    one does not count."""
 
     def __init__(self, *args: Any, max_header_bytes: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -384,27 +392,45 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._in_headers = False  # a request has begun and its headers are not complete
-        self._header_bytes = 0  # received since the request began, while in its headers
+        self._in_body = False  # its headers are complete and it is not
+        self._began_in_read = False  # it began in the read being parsed
+        self._body_in_read = False  # the read being parsed held some of its body
+        self._ended_in_read = False  # a request ended in the read being parsed
+        self._header_bytes = 0
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
 
     def data_received(self, data: bytes) -> None:
         timer, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None
+        in_headers, in_body = self._in_headers, self._in_body
+        self._began_in_read = self._body_in_read = self._ended_in_read = False
         super().data_received(data)  # which would stop the timer at any byte
-        if self._in_headers:
+        if self._in_headers and (in_headers or not self._ended_in_read):
+            # the whole read is the head of a request that goes on past it
+            self._header_bytes = len(data) + (self._header_bytes if in_headers else 0)
+        elif in_body and self._in_body and not self._body_in_read:  # the whole read is trailers
             self._header_bytes += len(data)
-            if self._header_bytes > self._max_header_bytes:
-                self._refuse_headers()
+        if self._header_bytes > self._max_header_bytes and not self.transport.is_closing():
+            self.send_400_response("")
         if timer is not None and self._in_headers:
             self.timeout_keep_alive_task = timer
         elif timer is not None:
             timer.cancel()
 
-    def _refuse_headers(self) -> None:
-        self._in_headers = False
+    def _count(self, size: int) -> None:
+        if self._began_in_read or self._in_body:
+            self._header_bytes += size
+            if self._header_bytes > self._max_header_bytes:
+                raise _HeadersTooLarge
+
+    def send_400_response(self, msg: str) -> None:
+        if self._header_bytes <= self._max_header_bytes:
+            super().send_400_response(msg)
+            return
+        self._in_headers = self._in_body = False
         error = ApiError(
-            431, f"the request line and headers are over {self._max_header_bytes} bytes"
+            431, f"the request line, headers and trailers are over {self._max_header_bytes} bytes"
         )
         body = json.dumps(error.body()).encode()
         self.transport.write(
@@ -416,12 +442,29 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_headers = True
+        self._in_headers = self._began_in_read = True
         self._header_bytes = 0
 
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
-        self._in_headers = False
+        self._in_headers, self._in_body = False, True
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_in_read = True
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        self._ended_in_read = True
+        super().on_message_complete()
 
 
 def run_api_server(args: ServerArgs, addresses: Addresses) -> None:

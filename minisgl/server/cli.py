@@ -83,7 +83,7 @@ _HELP = {
     "max_n": "choices per request at most (OpenAI's limit)",
     "max_prompts": "prompts per completions request at most (OpenAI's)",
     "max_request_bytes": "request body size at most; larger is a 413",
-    "max_header_bytes": "request line and headers size at most; larger is a 431",
+    "max_header_bytes": "request line, headers and trailers size at most; larger is a 431",
     "max_stop_strings": "stop strings per request at most",
     "max_stop_length": "characters per stop string at most",
     "max_stop_token_ids": "stop_token_ids per request at most",

@@ -15,7 +15,7 @@ class RequestLimits:
     max_n: int = 128
     max_prompts: int = 2048
     max_request_bytes: int = 32 << 20
-    max_header_bytes: int = 64 << 10  # request line and headers (nginx: 32 KiB, Node: 16 KiB)
+    max_header_bytes: int = 64 << 10  # request line, headers, trailers (nginx: 32 KiB, Node: 16)
     max_stop_strings: int = 64
     max_stop_length: int = 1024  # characters
     # each choice carries its own copy of these lists to the tokenizer and the scheduler

@@ -612,24 +612,61 @@ def test_clients_that_leave_mid_body_leave_no_traceback(server: ServerProcess) -
     assert b"Traceback" not in log and len(log) < 20 * 512, log[-2000:]
 
 
-@pytest.mark.parametrize("where", ["request line", "header"])
-def test_headers_over_64_kib_are_a_431_and_the_connection_closed(
-    server: ServerProcess, where: str
-) -> None:
-    filler = "x" * (70 << 10)
-    if where == "request line":
-        head = f"GET /health?{filler} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-    else:
-        head = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: {filler}\r\n"
+def _raw_answer(server: ServerProcess, *sent: bytes) -> bytes:
+    """What the server answers the pieces `sent` (0.3 s apart) with, up to its closing the
+    connection."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(head.encode())  # no blank line: the headers never end
+        for i, piece in enumerate(sent):
+            time.sleep(0.3 if i else 0)
+            sock.sendall(piece)
         answer = b""
-        while data := sock.recv(65536):  # until the server closes
+        while data := sock.recv(65536):
             answer += data
+    return answer
+
+
+def _assert_431(answer: bytes) -> None:
     status, _, body = answer.partition(b"\r\n\r\n")
     assert status.startswith(b"HTTP/1.1 431"), answer[:300]
     check_error_body(json.loads(body), repr(answer[:300]))
+
+
+FILLER = "x" * (70 << 10)
+TRAILED = (  # a chunked body, its last chunk sent: its trailers come next
+    f"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+    'Transfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n10\r\n{"prompt": "hi"}'
+    "\r\n0\r\n"
+)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [f"GET /health?{FILLER} HTTP/1.1\r\nHost: 127.0.0.1\r\n"],  # never ended
+        [f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: {FILLER}\r\n"],
+        [f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: {FILLER}\r\n\r\n"],  # whole
+        [TRAILED, f"X-Trailer: {FILLER}\r\n"],
+    ],
+    ids=["request line", "header", "whole header", "trailer"],
+)
+def test_headers_over_64_kib_are_a_431_and_the_connection_closed(
+    server: ServerProcess, pieces: list[str]
+) -> None:
+    _assert_431(_raw_answer(server, *(piece.encode() for piece in pieces)))
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_pipelined_request_after_a_long_body_is_no_431(server: ServerProcess) -> None:
+    """The first request's body is no part of the second's headers, though one read holds both."""
+    body = json.dumps({"prompt": "Once upon a time " * 6000}).encode()  # 102 KB
+    first = (
+        f"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    second = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    answer = _raw_answer(server, first + second[:20])  # the second's end never comes ...
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]  # ... and it times out, unanswered
+    assert b"431" not in answer
 
 
 def test_headers_under_64_kib_are_served(server: ServerProcess) -> None:
