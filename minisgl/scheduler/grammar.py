@@ -190,6 +190,8 @@ class Grammars:
                 del self._waiting[rid]
                 self._matchers[rid] = matcher
             return False
+        if self._alone and self._request_of[rid] in self._ending:
+            return False  # it ends before its next step (take_failed), its matcher unused
         matcher = self._matchers[rid]
         return not self._timed_call(rid, matcher.accept_token, token) or matcher.is_terminated()
 

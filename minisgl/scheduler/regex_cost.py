@@ -24,11 +24,15 @@ UNBOUNDED_COPIES = 4
 # character here, in the scheduler process
 MAX_REGEX_LENGTH = 100_000
 _MAX_DEPTH = 64  # groups within groups
+_MAX_DELIMITED_ATOMS = 64  # distinct atoms of a part judged delimited at most (each is checked)
 _QUANTIFIERS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 COUNT = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")  # `{n}`, `{n,}`, `{n,m}`; EBNF allows spaces
 _CLASS_ESCAPES = set("dDwWsSbBpP0123456789")  # `\p{L}`, a back reference: not one character
 _CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
-_PROPERTY = re.compile(r"\{[^}]*\}")  # `\p{L}`'s
+_ANY = "(?s:.)"  # a class taken to match any character (one Python may read otherwise)
+_ASCII_CLASSES = {"d": "[0-9]", "w": "[A-Za-z0-9_]"}  # xgrammar's; the others: _ANY
+_PROPERTY = re.compile(r"\{[^}]{0,64}\}")  # `\p{L}`'s
+_GROUP_NAME = re.compile(r"P?<(?![=!])[^>]{0,256}>")  # `(?<name>`, `(?P<name>`
 _HEX_ESCAPE = re.compile(r"x([0-9A-Fa-f]{2})|u([0-9A-Fa-f]{4})|u\{([0-9A-Fa-f]{1,6})\}")
 
 
@@ -49,6 +53,8 @@ class _Part:
     def delimited(self) -> bool:
         """Copies of the part side by side split one way only: it starts (or ends) with a
         character that no other atom of it matches."""
+        if len(self.atoms) > _MAX_DELIMITED_ATOMS:
+            return False
         return any(
             c is not None and sum(n for atom, n in self.atoms.items() if _matches(atom, c)) == 1
             for c in (self.first, self.last)
@@ -135,8 +141,10 @@ class _Reader:
         char = self.text[self.i]
         self.i += 1
         if char == "(":
-            if self.text.startswith("?", self.i):  # (?:...), (?=...), (?<name>...)
+            if self.text.startswith("?", self.i):  # (?:...), (?=...), (?<=...), (?<name>...)
                 self.i += 1
+                if match := _GROUP_NAME.match(self.text, self.i):
+                    self.i = match.end()
                 while self.i < len(self.text) and self.text[self.i] in ":=!<>":
                     self.i += 1
             self.depth += 1
@@ -159,7 +167,7 @@ class _Reader:
             self.i += 1
             return _class(self.text[start : self.i])
         if char == ".":
-            return _class("(?s:.)")
+            return _class(_ANY)
         return _literal(char)
 
     def _escape(self) -> _Part:
@@ -172,7 +180,11 @@ class _Reader:
         if char in _CLASS_ESCAPES:
             if char in "pP" and (match := _PROPERTY.match(self.text, self.i)):
                 self.i = match.end()
-            return _class("\\" + char if char not in "pP0123456789" else "(?s:.)")
+            return _class(_ASCII_CLASSES.get(char, _ANY))
+        if (
+            char.isalnum() and char not in _CONTROL_ESCAPES
+        ):  # `\a`, `\e`, `\cA`, `\U...`: xgrammar's own
+            return _class(_ANY)
         return _literal(_CONTROL_ESCAPES.get(char, char))
 
     def _repeated(self, part: _Part) -> _Part:
@@ -196,7 +208,9 @@ class _Reader:
             copies = high if high is not None else max(low, UNBOUNDED_COPIES)
         edges = (part.first, part.last) if low >= 1 else (None, None)
         product = min(part.splits * copies, MAX_SPLITS + 1)
-        return _Part(low * part.shortest, longest, product, part.atoms, *edges)
+        # an atom that repeats is no delimiter of a part around it
+        atoms = part.atoms if high == 1 else Counter({a: 2 * n for a, n in part.atoms.items()})
+        return _Part(low * part.shortest, longest, product, atoms, *edges)
 
     def _counts(self) -> tuple[int, int | None] | None:
         """The quantifier at the reader's place (passed over), as (at least, at most)."""

@@ -406,8 +406,10 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
         in_headers, in_body = self._in_headers, self._in_body
         self._began_in_read = self._body_in_read = self._ended_in_read = False
         super().data_received(data)  # which would stop the timer at any byte
-        if self._in_headers and (in_headers or not self._ended_in_read):
-            # the whole read is the head of a request that goes on past it
+        if self._in_headers and (
+            (in_headers and not self._began_in_read)  # headers begun before the read go on
+            or not (in_headers or in_body or self._ended_in_read)  # begun at the read's start
+        ):  # the whole read is the head of a request that goes on past it
             self._header_bytes = len(data) + (self._header_bytes if in_headers else 0)
         elif in_body and self._in_body and not self._body_in_read:  # the whole read is trailers
             self._header_bytes += len(data)
@@ -459,6 +461,7 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_in_read = True
+        self._header_bytes = 0  # trailers count from the body's last bytes (a chunk's framing too)
         super().on_body(body)
 
     def on_message_complete(self) -> None:

@@ -667,6 +667,9 @@ def test_a_pipelined_request_after_a_long_body_is_no_431(server: ServerProcess) 
     answer = _raw_answer(server, first + second[:20])  # the second's end never comes ...
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]  # ... and it times out, unanswered
     assert b"431" not in answer
+    # a read that ends the first's headers, holds its body and begins the second's
+    answer = _raw_answer(server, first[:40], first[40:] + second[:30], second[30:])
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1 200") == 2, answer[:300]
 
 
 def test_headers_under_64_kib_are_served(server: ServerProcess) -> None:
