@@ -10,7 +10,7 @@ arrives: its tokenizer tables took 1.3 s to build for Qwen3's vocabulary on a 2-
 import json
 import re
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -77,7 +77,7 @@ class Grammars:
         self._matchers: dict[int, Any] = {}
         self._waiting: dict[int, tuple[int, Any]] = {}  # rid -> (start token, matcher)
         self._request_of: dict[int, int] = {}  # rid -> the client request it is a row of
-        self._rows: Counter[int] = Counter()  # request -> its rows with a matcher
+        self._rows_of: dict[int, set[int]] = {}  # request -> its rows with a matcher
         self._spent: dict[int, float] = {}  # request -> its matcher steps' seconds this step
         self._ending: set[int] = set()  # requests past MAX_MATCH_SECONDS, to be ended
         self._timed = timed
@@ -159,7 +159,7 @@ class Grammars:
         grammar, start_token = self.check(spec, compiled)
         matcher = xgrammar.GrammarMatcher(grammar)
         self._request_of[rid] = request
-        self._rows[request] += 1
+        self._rows_of.setdefault(request, set()).add(rid)
         if request in self._ending:  # its other rows are ending
             self._past_time.append((rid, _TOO_SLOW))
         if start_token is None:
@@ -217,8 +217,7 @@ class Grammars:
         self._spent[request] = self._spent.get(request, 0.0) + time.thread_time() - start
         if self._spent[request] > MAX_MATCH_SECONDS:
             self._ending.add(request)
-            rows = [(r, _TOO_SLOW) for r, q in self._request_of.items() if q == request]
-            self._past_time.extend(rows)
+            self._past_time.extend((r, _TOO_SLOW) for r in self._rows_of[request])
         return result
 
     @property
@@ -246,10 +245,10 @@ class Grammars:
         self._waiting.pop(rid, None)
         request = self._request_of.pop(rid, None)
         if request is not None:
-            self._rows[request] -= 1
-            if not self._rows[request]:
-                del self._rows[request]
-                self._spent.pop(request, None)
+            rows = self._rows_of[request]
+            rows.discard(rid)
+            if not rows:  # its last row: _spent is cleared each step
+                del self._rows_of[request]
                 self._ending.discard(request)
 
 
@@ -310,9 +309,9 @@ def _refuse_unenforced(
     schemas: Sequence[Any] = (), regexes: Sequence[Any] = (), grammars: Sequence[Any] = ()
 ) -> None:
     """Raise ValueError for a constraint xgrammar would not hold the output to, or too costly."""
-    texts = [r for r in regexes if isinstance(r, str)]
-    texts += [p for schema in schemas for p in _patterns(schema)]
-    if sum(map(len, texts)) > MAX_REGEX_LENGTH:
+    patterns = [r for r in regexes if isinstance(r, str)]
+    patterns += [p for schema in schemas for p in _patterns(schema)]
+    if sum(map(len, patterns)) > MAX_REGEX_LENGTH:
         raise ValueError(
             f"invalid structured output: over {MAX_REGEX_LENGTH} characters of regex in all"
         )

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 from fastapi import Request
@@ -24,7 +24,6 @@ from .engine_client import Delta, EngineClient, Interrupted, Item, ReqGroup
 from .errors import ApiError
 from .responses import Choice, ReplyFormat, json_response, usage, vllm_prompt_logprobs
 
-T = TypeVar("T")
 Items = list[tuple[int, Item]]
 
 
