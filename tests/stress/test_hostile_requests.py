@@ -501,6 +501,50 @@ def test_a_million_bad_items_are_one_short_400(
     assert_clean(server, before)
 
 
+def test_a_long_body_being_parsed_holds_back_no_other_request(server: ServerProcess) -> None:
+    """400,000 messages (12 MB) take ~3 s to validate on a 2-core CPU, and the last one is bad:
+    a request sent meanwhile is answered first. On the event loop it waited for all of it."""
+    before = server.metrics()
+    messages = [{"role": "user", "content": "a"}] * 400_000 + [{"role": "tool", "content": "a"}]
+    long = {"model": MODEL, "messages": messages}
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(_post_json, server, CHAT, long)
+        time.sleep(1)  # its body sent and read (~0.2 s here), and its parse begun
+        assert not refused.done()
+        assert _text(_post_json(server, COMPLETIONS, {"model": MODEL, "prompt": "Once"}))
+        assert not refused.done()
+        assert assert_openai_error(refused.result(), 400)["param"] == "messages.400000"
+    assert_clean(server, before)
+
+
+def test_long_bodies_whose_clients_left_before_their_turn_are_never_parsed(
+    server: ServerProcess,
+) -> None:
+    """Three long bodies queued behind a fourth, their clients gone, cost a fifth nothing
+    (parsed, it would wait ~4 x the first's time)."""
+
+    def body(messages: int) -> dict:
+        bad = [{"role": "tool", "content": "a"}]  # refused once all before it are read
+        return {"model": MODEL, "messages": [{"role": "user", "content": "a"}] * messages + bad}
+
+    long, short = body(200_000), body(5_000)  # 6 MB and 150 KB, both for the body thread
+    start = time.monotonic()
+    assert_openai_error(_post_json(server, CHAT, long), 400)
+    alone = time.monotonic() - start
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(_post_json, server, CHAT, long)
+        time.sleep(0.3)  # read and passed on
+        for _ in range(3):
+            RawRequest(server, CHAT, long).leave()
+        time.sleep(0.3)
+        start = time.monotonic()
+        last = _post_json(server, CHAT, short)
+        waited = time.monotonic() - start
+        assert_openai_error(first.result(), 400)
+        assert_openai_error(last, 400)
+    assert waited < alone + 0.5 * alone, (waited, alone)
+
+
 @pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("content", MALFORMED.values(), ids=MALFORMED.keys())
 def test_malformed_body_is_a_400_in_openai_shape(
