@@ -227,6 +227,7 @@ class HermesToolParser:
         self.reply = _Reply()
         self._state = "text"  # text -> header -> arguments -> after -> text, or header -> whole
         self._held = ""  # text not yet decided on
+        self._searched = 0  # how much of it holds no closing tag, in a call read whole
         self._args = _ValueEnd()
 
     @classmethod
@@ -295,10 +296,15 @@ class HermesToolParser:
                 self._state, self._args = "arguments", _ValueEnd()
                 text = text[start:]
             elif self._state == "whole":
-                before, tag, rest = text.partition(self.close)
-                if not tag and not final:
-                    self._held = text
+                end = text.find(self.close, self._searched)
+                if end < 0 and not final:
+                    # held whole, each piece searched once: 32,000 pieces took 1.64 s otherwise
+                    self._held, self._searched = text, max(0, len(text) - len(self.close) + 1)
                     return
+                before, rest = (
+                    (text, "") if end < 0 else (text[:end], text[end + len(self.close) :])
+                )
+                self._searched = 0
                 if (call := whole_call(before)) is None:  # its tag is plain text
                     self.reply.content(self.open)
                     self._state = "text"
