@@ -6,6 +6,7 @@ then each is answered with a 503 (a stream: an error event) and the process exit
 (another process of the server died) it answers them so at once."""
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -68,7 +69,13 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     `exit` (which stops the HTTP server)."""
 
     async def drain(timeout: float) -> None:
-        await client.wait_idle(timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        # the body being parsed ends first (those queued behind it are refused): its request is
+        # answered, not cut off by the exit
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(loop.run_in_executor(body_thread, lambda: None), timeout)
+        await client.wait_idle(max(0.0, deadline - loop.time()))
         client.interrupt_all("the server is shutting down")
         await asyncio.sleep(0.1)  # the handlers answer their requests
         exit()
@@ -158,14 +165,20 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
                 raise too_large
         if len(body) > LONG_BODY_BYTES:  # a body whose client left before its turn is not parsed
             parse = asyncio.get_running_loop().run_in_executor(
-                body_thread, parse_body, bytes(body), schema
+                body_thread, parse_unless_draining, body, schema
             )
             parsed = await until_disconnected(request, parse)
         else:
-            parsed = parse_body(bytes(body), schema)
+            parsed = parse_body(body, schema)
         check_model(parsed.model)
         engine_limits()
         return parsed
+
+    def parse_unless_draining(body: bytearray, schema: type[Body]) -> Body:
+        """On the body thread: a body whose turn comes once the server drains is not read."""
+        if client.draining:
+            raise ApiError(503, "the server is shutting down")
+        return parse_body(body, schema)
 
     def engine_limits() -> Ready:
         if client.limits is None:

@@ -90,7 +90,7 @@ class _Body(_Strict):
 Body = TypeVar("Body", bound=_Body)
 
 
-def parse_body(data: bytes, schema: type[Body]) -> Body:
+def parse_body(data: bytes | bytearray, schema: type[Body]) -> Body:
     """The request body as `schema`; raises ApiError(400) saying what is wrong with it."""
     try:
         obj = orjson.loads(data)

@@ -33,6 +33,7 @@ from .clients import RawRequest, Streamed, read_stream
 from .keeper import ServerKeeper
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+JSON_BODY = {"Content-Type": "application/json"}
 
 
 def _stream_body(route: str, prompt: str | list[int], max_tokens: int) -> dict:
@@ -313,6 +314,22 @@ def test_sigterm_under_load_ends_every_request_and_exits_0(start_server, size) -
                 check_error_body(s.events[-1])  # the last event before [DONE] is an error
             for r in (f.result() for f in long_posts):
                 assert_openai_error(r, 503)
+    assert server.wait_exit(timeout=SHUTDOWN_TIMEOUT_S + 20) == 0, server.log()
+
+
+def test_sigterm_while_long_bodies_are_parsed_answers_each_with_a_503(start_server) -> None:
+    """The body being parsed when the drain begins is answered, and the one queued behind it is
+    not read: both get a 503 in OpenAI's shape. The exit cut them off with a plain 500 before."""
+    server = start_server("--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
+    long = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 300_000})
+    with ThreadPoolExecutor(2) as pool:
+        posts = []
+        for _ in range(2):  # ~2 s each to parse here
+            posts.append(pool.submit(server.post, CHAT, content=long, headers=JSON_BODY))
+            time.sleep(0.5)
+        server.proc.send_signal(signal.SIGTERM)
+        for post in posts:
+            assert_openai_error(post.result(), 503)
     assert server.wait_exit(timeout=SHUTDOWN_TIMEOUT_S + 20) == 0, server.log()
 
 
