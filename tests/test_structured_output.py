@@ -20,6 +20,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.core import StructuredOutput
 from minisgl.messages import AddRequests
+from minisgl.scheduler import grammar_cost
 from minisgl.scheduler.grammar import Grammars
 from minisgl.scheduler.regex_cost import MAX_SPLITS, splits, too_costly
 from minisgl.scheduler.unenforced import repeats_past_limit, unenforced_keyword
@@ -256,12 +257,12 @@ def test_offline_constraint_that_does_not_compile_raises_and_leaks_nothing(
     assert llm.scheduler.kv.used_pages == llm.scheduler.kv.prefix_cache.num_cached_pages
 
 
-# xgrammar matches these in time that grows: the first in its first mask (2.0 s on a 2-core CPU
-# with Qwen3's vocabulary; as a regex it is refused before it compiles), the second with every
-# token it accepts (past 0.25 s a step by ~30 characters); the third takes ~28 ms a step, which
-# 32 choices of one request add up to
-SLOW_START = "root ::= (([a-z]?){0,20}){0,20}"
-GROWING = 'root ::= x\nx ::= x x x | [a-z] | ""'
+# xgrammar matches these in time that grows: the first in its first mask (0.58 s on a 2-core CPU
+# with Qwen3's vocabulary; its counts multiply to 32, which the grammar's reading lets pass), the
+# second with every token it accepts (past 0.25 s a step by ~30 characters); the third takes ~28
+# ms a step, which 32 choices of one request add up to
+SLOW_START = "root ::= ((([a-z]{1,5}){1,4}){1,2}){1,4}"
+GROWING = "root ::= x\nx ::= x x | [a-z]"
 WORDS = "([a-z]+ ?)*"
 
 
@@ -273,7 +274,7 @@ def test_a_grammar_too_costly_to_match_is_refused_or_ended_and_the_engine_serves
     back)."""
     for llm in llms.values():
         slow_start = StructuredOutput(grammar=SLOW_START)
-        with pytest.raises(ValueError, match="too costly to match"):
+        with pytest.raises(ValueError, match=r"too costly to match .*first token"):
             llm.generate(["a"], SamplingParams(structured=slow_start), use_tqdm=False)
         growing = SamplingParams(
             temperature=0,
@@ -354,6 +355,7 @@ SPLITS = [
     ("([a-z]?){0,2}", 33), ("x(([a-z]?)*){0,2}", 33), ("(?:x*){2}", 33), ("x|(y?){40}", 33),
     ("(" * 65 + "a" + ")" * 65, 33), ("x(?<Z>[a-z]?){0,40}(?<Y>[a-z]?){0,40}", 33),
     ("((a+){1,8}){1,8}", 33), (r"(é\W*){1,1000}", 33), (r"(\U00000061[a-z]*){1,64}", 33),
+    ("x([a-z]?){0,40}([a-z]?){0,40}(a|bc){0}", 33),  # a count of 0 cancelled the rest: 11.06 s
 ]  # fmt: skip
 
 
@@ -361,6 +363,61 @@ SPLITS = [
 def test_a_regex_s_splits_count_its_varying_repetitions(pattern: str, expected: int) -> None:
     assert splits(pattern) == expected
     assert (too_costly(pattern) is None) == (expected <= MAX_SPLITS)
+
+
+# 5,000 rules, each inside the one before: read without recursion
+DEEP_GRAMMAR = (
+    "root ::= r0\n" + "".join(f"r{i} ::= [a-z]? r{i + 1}\n" for i in range(5_000)) + 'r5000 ::= "a"'
+)
+# (grammar, its splits): counts multiply as a regex's; a cycle of rules that may match nothing,
+# or a count over a rule that may, is past any bound
+GRAMMAR_SPLITS = [
+    ('root ::= "x" ([a-z]?){0,40} ([a-z]?){0,40}', 33),  # 12.1 s for its second mask
+    ('root ::= "x" r r\nr ::= [a-z]? r | ""', 33),  # 3.4 s a mask
+    ('root ::= "x" r\nr ::= r r | [a-z] | ""', 33),  # 3.8 s
+    ('root ::= "x" r\nr ::= s r | ""\ns ::= [a-z]?', 33),
+    ('root ::= "x" ([a-z]?)* ([a-z]?)*', 33),  # 3.7 s
+    ("root ::= (([a-z]?){0,20}){0,20}", 33),  # 2.0 s for its first mask
+    ('root ::= "x" (r " "?){0,33}\nr ::= [a-z] r | [a-z]', 33),
+    ('root ::= "x" (r " "?){0,32}\nr ::= [a-z] r | [a-z]', 32),
+    ("root ::= ((([a-z]{1,5}){1,4}){1,2}){1,4}", 32),
+    ('root ::= "x" r r r r r r r r\nr ::= [a-z] r | ""', 1),  # 55 ms
+    ('root ::= "x" r\nr ::= "(" r ")" r | [a-z]?', 1),
+    ("root ::= x\nx ::= x x | [a-z]", 1),  # grows with the output: ended as it runs
+    ('root ::= expr ("=" expr)*\nexpr ::= term ([-+*/] term)*\nterm ::= num | "(" expr ")"\n'
+     "num ::= [0-9]+", 1),
+    ('root ::= "a" (= "b") [b-c]{0,5}', 1), ("root ::= root", 33), ("root ::= (", 1),
+    (DEEP_GRAMMAR, 1),
+    ('root ::= TagDispatch(("<a>", r))\nr ::= "q" [a-z]*', 1),
+    ('root ::= TagDispatch(("<a>", r))\nr ::= [a-z]? r | ""', 33),  # a macro is no hiding place
+    ('root ::= "x" r r\nr ::= [a-z]? r | "" | Token(1)', 33),  # 1.75 s a mask
+    ('root ::= "x" Regex("([a-z]?){0,40}([a-z]?){0,40}")', 33), ('root ::= "x" Regex("[a-z]+")', 1),
+    ('root ::= "x" .r{0,40} .r{0,40}\n.r ::= [a-z]?', 33),  # 11 s: names may begin with a dot
+    ('root ::= "x" r r\nr[max_tokens=100000] ::= [a-z]? r | ""', 33),  # 1.26 s
+    ('root ::= "x" ([a-z]?){0,40} ([a-z]?){0,40} ("a" | "bc"){0}', 33),  # 11.0 s
+    ('root ::= "x" r\nr ::= [a-z] r{0,32}', 33),  # 2.4-3.2 s by its 14th token
+    # 17.5 s a mask after `y`, in either order of root's alternatives
+    ('root ::= "w" A | "y" B\nA ::= "(" X ")" | S\nX ::= A | "z"\nS ::= ([a-z]{1,5}){1,32}\n'
+     "B ::= X{0,32}", 33),
+    ('root ::= "y" B | "w" A\nA ::= "(" X ")" | S\nX ::= A | "z"\nS ::= ([a-z]{1,5}){1,32}\n'
+     "B ::= X{0,32}", 33),
+    ('root ::= ([a-z]+ ","){1,40}', 1), ('root ::= email (", " email){0,40}\n'
+     'email ::= [a-z0-9._]+ "@" [a-z0-9]+ ("." [a-z]+)+', 1),  # 2.1 and 1.8 ms a mask
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("grammar", "expected"), GRAMMAR_SPLITS, ids=[g[:48] for g, _ in GRAMMAR_SPLITS]
+)
+def test_a_grammar_s_splits_count_its_varying_repetitions(grammar: str, expected: int) -> None:
+    assert grammar_cost.splits(grammar) == expected
+    assert (grammar_cost.too_costly(grammar) is None) == (expected <= MAX_SPLITS)
+
+
+def test_xgrammar_s_own_json_grammar_passes() -> None:
+    import xgrammar
+
+    assert grammar_cost.splits(str(xgrammar.Grammar.builtin_json_grammar())) <= MAX_SPLITS
 
 
 COSTLY = "too costly to match: the counts of its repetitions"
@@ -392,8 +449,31 @@ LONG_PATTERN = "[a-z]" * 12_000  # 60,000 characters
             ),
             "over 100000 characters of regex in all",
         ),
+        (StructuredOutput(grammar='root ::= "x" ([a-z]?){0,40} ([a-z]?){0,40}'), COSTLY),
+        (
+            StructuredOutput(
+                structural_tag=json.dumps(
+                    {
+                        "type": "structural_tag",
+                        "format": {
+                            "type": "grammar",
+                            "grammar": 'root ::= "x" r r\nr ::= [a-z]? r | ""',
+                        },
+                    }
+                )
+            ),
+            COSTLY,
+        ),
     ],
-    ids=["regex", "star under a count", "schema pattern", "long regex", "long patterns"],
+    ids=[
+        "regex",
+        "star under a count",
+        "schema pattern",
+        "long regex",
+        "long patterns",
+        "grammar",
+        "structural tag's grammar",
+    ],
 )
 def test_a_regex_too_costly_to_match_is_refused_before_it_compiles(
     llms: dict[bool, LLM], constraint: StructuredOutput, match: str

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from minisgl.core import StructuredOutput
-from minisgl.scheduler.regex_cost import MAX_REGEX_LENGTH, too_costly
+from minisgl.scheduler import grammar_cost, regex_cost
+from minisgl.scheduler.regex_cost import MAX_REGEX_LENGTH
 from minisgl.scheduler.unenforced import MAX_COUNT, repeats_past_limit, unenforced_keyword
 
 CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently used dropped first
@@ -322,8 +323,11 @@ def _refuse_unenforced(
     if any(isinstance(t, str) and repeats_past_limit(t, ebnf) for t, ebnf in texts):
         raise ValueError(f"invalid structured output: a repetition count past {MAX_COUNT}")
     for regex in regexes:
-        if isinstance(regex, str) and (why := too_costly(regex)) is not None:
+        if isinstance(regex, str) and (why := regex_cost.too_costly(regex)) is not None:
             raise ValueError(f"invalid structured output: a regex {why}")
+    for grammar in grammars:
+        if isinstance(grammar, str) and (why := grammar_cost.too_costly(grammar)) is not None:
+            raise ValueError(f"invalid structured output: a grammar {why}")
 
 
 def _patterns(node: Any) -> list[str]:

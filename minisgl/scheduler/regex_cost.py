@@ -29,15 +29,15 @@ _QUANTIFIERS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 COUNT = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")  # `{n}`, `{n,}`, `{n,m}`; EBNF allows spaces
 _CLASS_ESCAPES = set("dDwWsSbBpP0123456789")  # `\p{L}`, a back reference: not one character
 _CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
-_ANY = "(?s:.)"  # a class taken to match any character (one Python may read otherwise)
-_ASCII_CLASSES = {"d": "[0-9]", "w": "[A-Za-z0-9_]"}  # xgrammar's; the others: _ANY
+ANY = "(?s:.)"  # a class taken to match any character (one Python may read otherwise)
+_ASCII_CLASSES = {"d": "[0-9]", "w": "[A-Za-z0-9_]"}  # xgrammar's; the others: ANY
 _PROPERTY = re.compile(r"\{[^}]{0,64}\}")  # `\p{L}`'s
 _GROUP_NAME = re.compile(r"P?<(?![=!])[^>]{0,256}>")  # `(?<name>`, `(?P<name>`
 _HEX_ESCAPE = re.compile(r"x([0-9A-Fa-f]{2})|u([0-9A-Fa-f]{4})|u\{([0-9A-Fa-f]{1,6})\}")
 
 
 @dataclass(frozen=True)
-class _Part:
+class Part:
     shortest: int
     longest: int | None  # None: no bound
     splits: int  # the product of the counts above, up to MAX_SPLITS + 1
@@ -82,10 +82,15 @@ def splits(pattern: str) -> int:
     nested or in sequence (the largest over alternatives), up to MAX_SPLITS + 1; 1 for a pattern
     with none, MAX_SPLITS + 1 for groups nested past _MAX_DEPTH. A pattern xgrammar cannot read
     gets some number: its own error comes when it compiles."""
+    return regex_part(pattern).splits
+
+
+def regex_part(pattern: str) -> Part:
+    """The pattern as a Part (its splits MAX_SPLITS + 1 for groups nested past _MAX_DEPTH)."""
     try:
-        return _Reader(pattern).alternatives().splits
+        return _Reader(pattern).alternatives()
     except _TooDeep:
-        return MAX_SPLITS + 1
+        return Part(1, None, MAX_SPLITS + 1, _bounded(Counter([ANY])))
 
 
 @lru_cache(maxsize=4096)
@@ -105,39 +110,20 @@ class _Reader:
         self.i = 0
         self.depth = 0
 
-    def alternatives(self) -> _Part:
+    def alternatives(self) -> Part:
         options = [self._sequence()]
         while self.text.startswith("|", self.i):
             self.i += 1
             options.append(self._sequence())
-        if len(options) == 1:
-            return options[0]
-        lengths = [o.longest for o in options]
-        atoms = Counter[str]()
-        for option in options:
-            atoms.update(option.atoms)
-        return _Part(
-            min(o.shortest for o in options),
-            None if None in lengths else max(lengths),  # type: ignore[type-var]
-            max(o.splits for o in options),
-            atoms,
-        )
+        return either(options)
 
-    def _sequence(self) -> _Part:
-        shortest, longest, product, atoms = 0, 0, 1, Counter[str]()
+    def _sequence(self) -> Part:
         parts = []
         while self.i < len(self.text) and self.text[self.i] not in "|)":
-            part = self._repeated(self._atom())
-            parts.append(part)
-            shortest += part.shortest
-            longest = None if longest is None or part.longest is None else longest + part.longest
-            product = min(product * part.splits, MAX_SPLITS + 1)
-            atoms.update(part.atoms)
-        first = parts[0].first if parts else None
-        last = parts[-1].last if parts else None
-        return _Part(shortest, longest, product, atoms, first, last)
+            parts.append(self._repeated(self._atom()))
+        return in_sequence(parts)
 
-    def _atom(self) -> _Part:
+    def _atom(self) -> Part:
         char = self.text[self.i]
         self.i += 1
         if char == "(":
@@ -155,7 +141,7 @@ class _Reader:
             self.i += 1  # the closing parenthesis
             return inner
         if char in "^$":
-            return _Part(0, 0, 1, Counter())
+            return Part(0, 0, 1, Counter())
         if char == "\\":
             return self._escape()
         if char == "[":
@@ -165,52 +151,35 @@ class _Reader:
             while self.i < len(self.text) and self.text[self.i] != "]":
                 self.i += 2 if self.text[self.i] == "\\" else 1
             self.i += 1
-            return _class(self.text[start : self.i])
+            return char_class(self.text[start : self.i])
         if char == ".":
-            return _class(_ANY)
-        return _literal(char)
+            return char_class(ANY)
+        return literal(char)
 
-    def _escape(self) -> _Part:
+    def _escape(self) -> Part:
         """The atom of the escape after a backslash."""
         char = self.text[self.i : self.i + 1]
         if match := _HEX_ESCAPE.match(self.text, self.i):
             self.i = match.end()
-            return _literal(chr(min(int(next(g for g in match.groups() if g), 16), 0x10FFFF)))
+            return literal(chr(min(int(next(g for g in match.groups() if g), 16), 0x10FFFF)))
         self.i += 1
         if char in _CLASS_ESCAPES:
             if char in "pP" and (match := _PROPERTY.match(self.text, self.i)):
                 self.i = match.end()
-            return _class(_ASCII_CLASSES.get(char, _ANY))
+            return char_class(_ASCII_CLASSES.get(char, ANY))
         if (
             char.isalnum() and char not in _CONTROL_ESCAPES
         ):  # `\a`, `\e`, `\cA`, `\U...`: xgrammar's own
-            return _class(_ANY)
-        return _literal(_CONTROL_ESCAPES.get(char, char))
+            return char_class(ANY)
+        return literal(_CONTROL_ESCAPES.get(char, char))
 
-    def _repeated(self, part: _Part) -> _Part:
+    def _repeated(self, part: Part) -> Part:
         counts = self._counts()
         if counts is None:
             return part
-        low, high = counts
         if self.text.startswith(("?", "+"), self.i):  # lazy, or possessive
             self.i += 1
-        if part.longest == 0:
-            longest: int | None = 0
-        elif high is None or part.longest is None:
-            longest = None
-        else:
-            longest = high * part.longest
-        if part.shortest == 0 and part.longest != 0 and (high is None or high > 1):
-            copies = MAX_SPLITS + 1  # each copy may match nothing: any number of them at each place
-        elif not part.varies or part.delimited:
-            copies = 1
-        else:
-            copies = high if high is not None else max(low, UNBOUNDED_COPIES)
-        edges = (part.first, part.last) if low >= 1 else (None, None)
-        product = min(part.splits * copies, MAX_SPLITS + 1)
-        # an atom that repeats is no delimiter of a part around it
-        atoms = part.atoms if high == 1 else Counter({a: 2 * n for a, n in part.atoms.items()})
-        return _Part(low * part.shortest, longest, product, atoms, *edges)
+        return repeated(part, *counts)
 
     def _counts(self) -> tuple[int, int | None] | None:
         """The quantifier at the reader's place (passed over), as (at least, at most)."""
@@ -225,9 +194,70 @@ class _Reader:
         return int(low), int(high) if high else None if comma else int(low)
 
 
-def _literal(char: str) -> _Part:
-    return _Part(1, 1, 1, Counter([char]), char, char)
+def either(options: list[Part]) -> Part:
+    """A choice between parts: the largest product of theirs."""
+    if len(options) == 1:
+        return options[0]
+    lengths = [o.longest for o in options]
+    atoms = Counter[str]()
+    for option in options:
+        atoms.update(option.atoms)
+    return Part(
+        min(o.shortest for o in options),
+        None if None in lengths else max(lengths),  # type: ignore[type-var]
+        max(o.splits for o in options),
+        _bounded(atoms),
+    )
 
 
-def _class(regex: str) -> _Part:
-    return _Part(1, 1, 1, Counter([regex]))
+def in_sequence(parts: list[Part]) -> Part:
+    """Parts side by side: their products multiply."""
+    shortest, longest, product, atoms = 0, 0, 1, Counter[str]()
+    for part in parts:
+        shortest += part.shortest
+        longest = None if longest is None or part.longest is None else longest + part.longest
+        product = min(product * part.splits, MAX_SPLITS + 1)
+        atoms.update(part.atoms)
+    first = parts[0].first if parts else None
+    last = parts[-1].last if parts else None
+    return Part(shortest, longest, product, _bounded(atoms), first, last)
+
+
+def repeated(part: Part, low: int, high: int | None) -> Part:
+    """The part repeated `low` to `high` times (None: no bound)."""
+    if high == 0:
+        return Part(0, 0, 1, Counter())
+    if part.longest == 0:
+        longest: int | None = 0
+    elif high is None or part.longest is None:
+        longest = None
+    else:
+        longest = high * part.longest
+    if part.shortest == 0 and part.longest != 0 and (high is None or high > 1):
+        copies = MAX_SPLITS + 1  # each copy may match nothing: any number of them at each place
+    elif not part.varies or part.delimited:
+        copies = 1
+    else:
+        copies = high if high is not None else max(low, UNBOUNDED_COPIES)
+    edges = (part.first, part.last) if low >= 1 else (None, None)
+    product = min(part.splits * copies, MAX_SPLITS + 1)
+    # an atom that repeats is no delimiter of a part around it
+    atoms = part.atoms if high == 1 else Counter({a: 2 * n for a, n in part.atoms.items()})
+    return Part(low * part.shortest, longest, product, atoms, *edges)
+
+
+def _bounded(atoms: Counter[str]) -> Counter[str]:
+    """The atoms, or, past _MAX_DELIMITED_ATOMS, any character twice: no part holding them is
+    delimited either way, and a chain of parts does not carry ever more of them."""
+    if len(atoms) > _MAX_DELIMITED_ATOMS:
+        return Counter({ANY: 2})
+    return atoms
+
+
+def literal(char: str) -> Part:
+    return Part(1, 1, 1, Counter([char]), char, char)
+
+
+def char_class(regex: str) -> Part:
+    """One character of a class, written as a regex (one Python cannot read matches any)."""
+    return Part(1, 1, 1, Counter([regex]))

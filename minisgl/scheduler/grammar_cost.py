@@ -1,0 +1,339 @@
+"""What an EBNF grammar costs xgrammar (0.2.9) to match, read before it compiles from the grammar
+as xgrammar prints it back (`str(Grammar.from_ebnf(text))`): every group a rule of its own, `?`,
+`*` and `+` as alternatives and recursion, counts as `rule{m, n}`.
+
+Counts over rules of varying length multiply as a regex's do (regex_cost), and a `Regex("...")`
+inside is read as one: `root ::= "x" ([a-z]?){0,40} ([a-z]?){0,40}` took 12.1 s for its second
+mask on a 2-core CPU. A cycle of rules that may go round matching nothing, the grammar's form of a
+repeated part that may match nothing, costs past any bound: `r ::= [a-z]? r | ""` twice side by
+side took 3.4 s a mask, `x ::= x x | [a-z] | ""` 3.8 s; so does a count over a rule of its own
+cycle (`r ::= [a-z] r{0,32}`: 2.4-3.2 s by its 14th token). Recursion that matches a character
+each time round counts once: its cost grows with the output (`x ::= x x | [a-z]`), which the
+per-step bound (grammar.MAX_MATCH_SECONDS) ends. Printed syntax not known here costs past any
+bound: it cannot be judged."""
+
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from minisgl.scheduler.regex_cost import (
+    ANY,
+    MAX_SPLITS,
+    Part,
+    char_class,
+    either,
+    in_sequence,
+    literal,
+    regex_part,
+    repeated,
+)
+
+_NAME = r"[\w.-]+"
+_STRING = r'"(?:[^"\\]|\\.)*"'
+_RULE = re.compile(rf"^({_NAME})(?:\[[^\]\n]*\])? ::= ", re.MULTILINE)  # `r[max_tokens=9] ::= `
+_TOKEN = re.compile(
+    rf"\s*(?:(?P<string>{_STRING})|(?P<chars>\[(?:[^\]\\]|\\.)*\])(?P<star>\*)?|(?P<lookahead>\(=)"
+    rf"|(?P<regex>Regex\((?P<pattern>{_STRING})\))|(?P<token>(?:Exclude)?Token\([\d, ]*\))"
+    rf"|(?P<name>{_NAME})(?:\{{(?P<low>\d+), (?P<high>-?\d+)\}})?|(?P<mark>[()|]))"
+)
+# a TagDispatch rule's (tag, rule) pairs: the rest of it (its options) matches nothing itself
+_TAG_DISPATCH = re.compile(r"TagDispatch\(")
+_DISPATCHED = re.compile(rf"\(\s*{_STRING}\s*,\s*({_NAME})\s*\)")
+_STRING_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
+_CONTROL = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+_ANY_TEXT = Part(0, None, 1, Counter({ANY: 2}))  # what comes between a TagDispatch's tags
+_ONE_TOKEN = Part(1, None, 1, Counter({ANY: 2}))  # `Token(...)`, `ExcludeToken(...)`: some text
+
+
+@dataclass(frozen=True)
+class _Ref:
+    rule: str
+    low: int = 1
+    high: int | None = 1  # None: no bound
+
+
+_Item = Part | _Ref  # a sequence's: a terminal, or a rule (a group is one, once printed)
+_Rule = list[list[_Item]]  # alternatives, each a sequence
+
+
+class _Unread(Exception):
+    """Printed syntax this module does not know."""
+
+
+def too_costly(ebnf: str) -> str | None:
+    """Why an EBNF grammar is too costly to match; None if it is not (or xgrammar cannot read it:
+    its own error comes when it compiles)."""
+    if splits(ebnf) <= MAX_SPLITS:
+        return None
+    return (
+        "too costly to match: the counts of its repetitions of rules of varying length, nested or "
+        f"side by side, multiply past {MAX_SPLITS}, or a cycle of its rules may go round "
+        "matching nothing or is counted, or it holds what its cost cannot be read from"
+    )
+
+
+def splits(ebnf: str) -> int:
+    """The largest product over the grammar's rules of the counts of repetitions of rules of
+    varying length (regex_cost.splits), up to MAX_SPLITS + 1; MAX_SPLITS + 1 for a cycle of rules
+    that may match nothing or is counted, or syntax not known here; 1 for a grammar xgrammar
+    cannot read."""
+    import xgrammar
+
+    try:
+        printed = str(xgrammar.Grammar.from_ebnf(ebnf))
+    except (RuntimeError, UnicodeError):
+        return 1
+    try:
+        rules = _read(printed)
+    except _Unread:
+        return MAX_SPLITS + 1
+    if _empty_cycle(rules):
+        return MAX_SPLITS + 1
+    return max(part.splits for part in _parts(rules).values())
+
+
+def _read(printed: str) -> dict[str, _Rule]:
+    """The rules of xgrammar's print of a grammar, by name (lookaheads left out)."""
+    heads = list(_RULE.finditer(printed))
+    rules: dict[str, _Rule] = {}
+    for head, after in zip(heads, [*heads[1:], None], strict=True):
+        body = printed[head.end() : after.start() if after else len(printed)].rstrip()
+        if _TAG_DISPATCH.match(body):
+            dispatched = [[_ANY_TEXT, _Ref(rule)] for rule in _DISPATCHED.findall(body)]
+            rules[head.group(1)] = [[_ANY_TEXT], *dispatched]
+            continue
+        tokens = [m for m in _TOKEN.finditer(body) if m.group().strip()]
+        if "".join(m.group() for m in tokens) != body:
+            raise _Unread
+        rules[head.group(1)] = _Reader(tokens).alternatives(rules, head.group(1))
+    return rules
+
+
+class _Reader:
+    def __init__(self, tokens: list[re.Match[str]]) -> None:
+        self.tokens = tokens
+        self.i = 0
+        self.groups: set[str] = set()  # the rules made of groups
+
+    def alternatives(self, rules: dict[str, _Rule], name: str) -> _Rule:
+        """A choice. A group inside of one alternative joins the sequence around it, one that is
+        a whole alternative joins the choice, and any other becomes a rule of its own."""
+        options: _Rule = []
+        while True:
+            sequence = self._sequence(rules, name)
+            match sequence:
+                case [_Ref(rule=group)] if group in self.groups:
+                    options += rules.pop(group)
+                case _:
+                    options.append(sequence)
+            if not self._at("|"):
+                return options
+            self.i += 1
+
+    def _sequence(self, rules: dict[str, _Rule], name: str) -> list[_Item]:
+        items: list[_Item] = []
+        while self.i < len(self.tokens) and not self._at("|") and not self._at(")"):
+            token = self.tokens[self.i]
+            self.i += 1
+            if token["lookahead"]:  # what must follow, not matched here
+                self._skip_group()
+            elif token["mark"] == "(":
+                inner = self.alternatives(rules, name)
+                if not self._at(")"):
+                    raise _Unread
+                self.i += 1
+                if len(inner) == 1:
+                    items += inner[0]
+                else:
+                    group = f"{name}/{self.i}"
+                    rules[group] = inner
+                    self.groups.add(group)
+                    items.append(_Ref(group))
+            elif token["string"]:
+                items.append(in_sequence([literal(c) for c in _unescaped(token["string"][1:-1])]))
+            elif token["chars"]:
+                one = char_class(token["chars"])
+                items.append(repeated(one, 0, None) if token["star"] else one)
+            elif token["regex"]:
+                items.append(regex_part(_unescaped(token["pattern"][1:-1])))
+            elif token["token"]:
+                items.append(_ONE_TOKEN)
+            elif token["name"]:
+                low, high = token["low"], token["high"]
+                if low is None:
+                    items.append(_Ref(token["name"]))
+                else:
+                    items.append(_Ref(token["name"], int(low), None if high == "-1" else int(high)))
+            else:
+                raise _Unread
+        return items
+
+    def _at(self, mark: str) -> bool:
+        return self.i < len(self.tokens) and self.tokens[self.i]["mark"] == mark
+
+    def _skip_group(self) -> None:
+        open_groups = 1
+        while open_groups and self.i < len(self.tokens):
+            mark = self.tokens[self.i]["mark"] or ("(" if self.tokens[self.i]["lookahead"] else "")
+            open_groups += {"(": 1, ")": -1}.get(mark, 0)
+            self.i += 1
+
+
+def _unescaped(text: str) -> str:
+    def char(m: re.Match[str]) -> str:
+        escape = m.group(1)
+        if len(escape) > 1:
+            return chr(min(int(escape[1:], 16), 0x10FFFF))
+        return _CONTROL.get(escape, escape)
+
+    return _STRING_ESCAPE.sub(char, text)
+
+
+def _refs(rules: dict[str, _Rule], name: str) -> Iterator[_Ref]:
+    return (
+        item for s in rules[name] for item in s if isinstance(item, _Ref) and item.rule in rules
+    )
+
+
+def _nullable(rules: dict[str, _Rule]) -> set[str]:
+    """The rules that may match nothing: a worklist over who names whom (a chain of rules is read
+    once, not once a rule)."""
+    # for each (rule, alternative): its items that must match something, by rule named
+    missing: dict[tuple[str, int], int] = {}
+    waiting: dict[str, list[tuple[str, int]]] = {}
+    found: list[str] = []
+    for name, options in rules.items():
+        for k, sequence in enumerate(options):
+            count = 0
+            for item in sequence:
+                if isinstance(item, Part):
+                    count += item.shortest > 0
+                elif item.low > 0:
+                    count += 1
+                    waiting.setdefault(item.rule, []).append((name, k))
+            missing[name, k] = count
+            if count == 0:
+                found.append(name)
+    nullable: set[str] = set()
+    while found:
+        name = found.pop()
+        if name in nullable:
+            continue
+        nullable.add(name)
+        for alternative in waiting.get(name, []):
+            missing[alternative] -= 1
+            if missing[alternative] == 0:
+                found.append(alternative[0])
+    return nullable
+
+
+def _empty_cycle(rules: dict[str, _Rule]) -> bool:
+    """Some rule may derive itself with nothing else matched (`r ::= [a-z]? r | ""`, `x ::= x x
+    | ""`): the matcher follows every number of times round."""
+    nullable = _nullable(rules)
+
+    def empty(item: _Item) -> bool:
+        if isinstance(item, Part):
+            return item.shortest == 0
+        return item.low == 0 or item.rule in nullable
+
+    # rule -> the rules it may derive alone, everything beside them matching nothing
+    alone: dict[str, set[str]] = {name: set() for name in rules}
+    for name, options in rules.items():
+        for sequence in options:
+            solid = [item for item in sequence if not empty(item)]
+            if len(solid) > 1:
+                continue
+            for item in solid or sequence:
+                if (
+                    isinstance(item, _Ref)
+                    and item.rule in rules
+                    and item.high != 0
+                    and (item.low <= 1 or item.rule in nullable)
+                ):
+                    alone[name].add(item.rule)
+    return any(len(c) > 1 or c[0] in alone[c[0]] for c in _cycles(alone))
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components (Tarjan's, without recursion: grammars may be deep),
+    each after every one it reaches."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in edges:
+        if start in index:
+            continue
+        path = [(start, iter(edges[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while path:
+            name, successors = path[-1]
+            successor = next(successors, None)
+            if successor is not None:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    on_stack.add(successor)
+                    path.append((successor, iter(edges[successor])))
+                elif successor in on_stack:
+                    low[name] = min(low[name], index[successor])
+                continue
+            path.pop()
+            if path:
+                low[path[-1][0]] = min(low[path[-1][0]], low[name])
+            if low[name] == index[name]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == name:
+                        break
+                found.append(component)
+    return found
+
+
+def _parts(rules: dict[str, _Rule]) -> dict[str, Part]:
+    """Each rule's Part, the rules it names first. Within a cycle a rule of the cycle is taken
+    as repeating any of the cycle's atoms (a count over one: past any bound)."""
+    named = {name: {ref.rule for ref in _refs(rules, name)} for name in rules}
+    parts: dict[str, Part] = {}
+    for cycle in _cycles(named):
+        members = set(cycle)
+        atoms = Counter[str]()
+        for name in cycle:
+            for sequence in rules[name]:
+                for item in sequence:
+                    known = item if isinstance(item, Part) else parts.get(item.rule)
+                    if known is not None:
+                        atoms.update(known.atoms)
+        # a rule of the cycle costs what the costliest rule of it does, found in a second pass
+        recursion = Part(1, None, 1, Counter({atom: 2 for atom in atoms}))
+        for _ in range(2 if len(cycle) > 1 or cycle[0] in named[cycle[0]] else 1):
+            found = {name: _part(rules[name], parts, members, recursion) for name in cycle}
+            recursion = replace(recursion, splits=max(p.splits for p in found.values()))
+        parts.update(found)
+    return parts
+
+
+def _part(rule: _Rule, parts: dict[str, Part], cycle: set[str], recursion: Part) -> Part:
+    """A rule's Part, given those of the rules outside its cycle and `recursion` for those in it."""
+    alternatives = []
+    for sequence in rule:
+        pieces = []
+        for item in sequence:
+            if isinstance(item, Part):
+                pieces.append(item)
+            elif item.rule not in cycle:
+                pieces.append(repeated(parts[item.rule], item.low, item.high))
+            elif item.high == 1:
+                pieces.append(recursion)
+            else:
+                pieces.append(replace(recursion, splits=MAX_SPLITS + 1))
+        alternatives.append(in_sequence(pieces))
+    return either(alternatives)
