@@ -390,6 +390,7 @@ GRAMMAR_SPLITS = [
     (DEEP_GRAMMAR, 1),
     ('root ::= TagDispatch(("<a>", r))\nr ::= "q" [a-z]*', 1),
     ('root ::= TagDispatch(("<a>", r))\nr ::= [a-z]? r | ""', 33),  # a macro is no hiding place
+    ('root ::= TagDispatch(("<a>", b))\nb ::= root', 1),  # each time round matches its tag
     ('root ::= "x" r r\nr ::= [a-z]? r | "" | Token(1)', 33),  # 1.75 s a mask
     ('root ::= "x" Regex("([a-z]?){0,40}([a-z]?){0,40}")', 33), ('root ::= "x" Regex("[a-z]+")', 1),
     ('root ::= "x" .r{0,40} .r{0,40}\n.r ::= [a-z]?', 33),  # 11 s: names may begin with a dot

@@ -39,11 +39,12 @@ _TOKEN = re.compile(
 )
 # a TagDispatch rule's (tag, rule) pairs: the rest of it (its options) matches nothing itself
 _TAG_DISPATCH = re.compile(r"TagDispatch\(")
-_DISPATCHED = re.compile(rf"\(\s*{_STRING}\s*,\s*({_NAME})\s*\)")
+_DISPATCHED = re.compile(rf"\(\s*({_STRING})\s*,\s*({_NAME})\s*\)")
 _STRING_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
 _CONTROL = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
 _ANY_TEXT = Part(0, None, 1, Counter({ANY: 2}))  # what comes between a TagDispatch's tags
 _ONE_TOKEN = Part(1, None, 1, Counter({ANY: 2}))  # `Token(...)`, `ExcludeToken(...)`: some text
+_UNKNOWN = Part(1, None, MAX_SPLITS + 1, Counter({ANY: 2}))  # a rule named and not defined
 
 
 @dataclass(frozen=True)
@@ -100,13 +101,18 @@ def _read(printed: str) -> dict[str, _Rule]:
     for head, after in zip(heads, [*heads[1:], None], strict=True):
         body = printed[head.end() : after.start() if after else len(printed)].rstrip()
         if _TAG_DISPATCH.match(body):
-            dispatched = [[_ANY_TEXT, _Ref(rule)] for rule in _DISPATCHED.findall(body)]
+            dispatched = [
+                [_ANY_TEXT, _string(tag), _Ref(rule)] for tag, rule in _DISPATCHED.findall(body)
+            ]
             rules[head.group(1)] = [[_ANY_TEXT], *dispatched]
             continue
         tokens = [m for m in _TOKEN.finditer(body) if m.group().strip()]
         if "".join(m.group() for m in tokens) != body:
             raise _Unread
-        rules[head.group(1)] = _Reader(tokens).alternatives(rules, head.group(1))
+        reader = _Reader(tokens)
+        rules[head.group(1)] = reader.alternatives(rules, head.group(1))
+        if reader.i != len(tokens):  # a parenthesis closed that never opened
+            raise _Unread
     return rules
 
 
@@ -151,7 +157,7 @@ class _Reader:
                     self.groups.add(group)
                     items.append(_Ref(group))
             elif token["string"]:
-                items.append(in_sequence([literal(c) for c in _unescaped(token["string"][1:-1])]))
+                items.append(_string(token["string"]))
             elif token["chars"]:
                 one = char_class(token["chars"])
                 items.append(repeated(one, 0, None) if token["star"] else one)
@@ -178,6 +184,10 @@ class _Reader:
             mark = self.tokens[self.i]["mark"] or ("(" if self.tokens[self.i]["lookahead"] else "")
             open_groups += {"(": 1, ")": -1}.get(mark, 0)
             self.i += 1
+
+
+def _string(quoted: str) -> Part:
+    return in_sequence([literal(c) for c in _unescaped(quoted[1:-1])])
 
 
 def _unescaped(text: str) -> str:
@@ -330,7 +340,7 @@ def _part(rule: _Rule, parts: dict[str, Part], cycle: set[str], recursion: Part)
             if isinstance(item, Part):
                 pieces.append(item)
             elif item.rule not in cycle:
-                pieces.append(repeated(parts[item.rule], item.low, item.high))
+                pieces.append(repeated(parts.get(item.rule, _UNKNOWN), item.low, item.high))
             elif item.high == 1:
                 pieces.append(recursion)
             else:
