@@ -35,7 +35,7 @@ from minisgl.utils import sampling_defaults
 
 from .args import ServerArgs
 from .disconnect import ClientGone, until_disconnected
-from .engine_client import EngineClient
+from .engine_client import SHUTTING_DOWN, EngineClient
 from .errors import ApiError
 from .generation import generate
 from .metrics import Metrics
@@ -76,7 +76,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(loop.run_in_executor(body_thread, lambda: None), timeout)
         await client.wait_idle(max(0.0, deadline - loop.time()))
-        client.interrupt_all("the server is shutting down")
+        client.interrupt_all(SHUTTING_DOWN)
         await asyncio.sleep(0.1)  # the handlers answer their requests
         exit()
 
@@ -176,8 +176,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
 
     def parse_unless_draining(body: bytearray, schema: type[Body]) -> Body:
         """On the body thread: a body whose turn comes once the server drains is not read."""
-        if client.draining:
-            raise ApiError(503, "the server is shutting down")
+        client.check_open()
         return parse_body(body, schema)
 
     def engine_limits() -> Ready:

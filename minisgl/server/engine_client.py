@@ -34,6 +34,8 @@ from minisgl.messages import (
 from .errors import ApiError
 from .metrics import Metrics
 
+SHUTTING_DOWN = "the server is shutting down"  # what a request meets once the server drains
+
 
 @dataclass
 class Delta:
@@ -113,11 +115,15 @@ class EngineClient:
     def new_rids(self, n: int) -> list[int]:
         return [next(self._rids) for _ in range(n)]
 
+    def check_open(self) -> None:
+        """Raises ApiError(503) once the server drains."""
+        if self.draining:
+            raise ApiError(503, SHUTTING_DOWN)
+
     def submit(self, request: TokenizeRequest) -> ReqGroup:
         """Send the request on; raises ApiError(429) when the queue is full, 400 when it could
         never hold the request, 503 when draining."""
-        if self.draining:
-            raise ApiError(503, "the server is shutting down")
+        self.check_open()
         n = len(request.rids)
         if self._max_queued is not None and n > self._max_queued:
             raise ApiError(
