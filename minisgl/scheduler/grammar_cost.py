@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from minisgl.scheduler.regex_cost import (
     ANY,
+    CONTROL_ESCAPES,
     MAX_SPLITS,
     Part,
     char_class,
@@ -41,7 +42,7 @@ _TOKEN = re.compile(
 _TAG_DISPATCH = re.compile(r"TagDispatch\(")
 _DISPATCHED = re.compile(rf"\(\s*({_STRING})\s*,\s*({_NAME})\s*\)")
 _STRING_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
-_CONTROL = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+_CONTROL = {**CONTROL_ESCAPES, "0": "\0"}  # in an EBNF string `\0` is the NUL character
 _ANY_TEXT = Part(0, None, 1, Counter({ANY: 2}))  # what comes between a TagDispatch's tags
 _ONE_TOKEN = Part(1, None, 1, Counter({ANY: 2}))  # `Token(...)`, `ExcludeToken(...)`: some text
 _UNKNOWN = Part(1, None, MAX_SPLITS + 1, Counter({ANY: 2}))  # a rule named and not defined

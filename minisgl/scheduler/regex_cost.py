@@ -28,7 +28,7 @@ _MAX_DELIMITED_ATOMS = 64  # distinct atoms of a part judged delimited at most (
 _QUANTIFIERS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 COUNT = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")  # `{n}`, `{n,}`, `{n,m}`; EBNF allows spaces
 _CLASS_ESCAPES = set("dDwWsSbBpP0123456789")  # `\p{L}`, a back reference: not one character
-_CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
+CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
 ANY = "(?s:.)"  # a class taken to match any character (one Python may read otherwise)
 _ASCII_CLASSES = {"d": "[0-9]", "w": "[A-Za-z0-9_]"}  # xgrammar's; the others: ANY
 _PROPERTY = re.compile(r"\{[^}]{0,64}\}")  # `\p{L}`'s
@@ -168,10 +168,10 @@ class _Reader:
                 self.i = match.end()
             return char_class(_ASCII_CLASSES.get(char, ANY))
         if (
-            char.isalnum() and char not in _CONTROL_ESCAPES
+            char.isalnum() and char not in CONTROL_ESCAPES
         ):  # `\a`, `\e`, `\cA`, `\U...`: xgrammar's own
             return char_class(ANY)
-        return literal(_CONTROL_ESCAPES.get(char, char))
+        return literal(CONTROL_ESCAPES.get(char, char))
 
     def _repeated(self, part: Part) -> Part:
         counts = self._counts()
