@@ -9,19 +9,20 @@ repeated part that may match nothing, costs past any bound: `r ::= [a-z]? r | ""
 side took 3.4 s a mask, `x ::= x x | [a-z] | ""` 3.8 s; so does a count over a rule of its own
 cycle (`r ::= [a-z] r{0,32}`: 2.4-3.2 s by its 14th token). Recursion that matches a character
 each time round counts once: its cost grows with the output (`x ::= x x | [a-z]`), which the
-per-step bound (grammar.MAX_MATCH_SECONDS) ends. Printed syntax not known here costs past any
+per-step bound (grammar.MAX_MATCH_SECONDS) ends. A rule that names itself at one end only is read
+as the repetition it prints (`r ::= x r | ""` is `x*`), so that the characters around it are
+known: copies of `"\"" char* "\""` split one way. Printed syntax not known here costs past any
 bound: it cannot be judged."""
 
 import re
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from minisgl.scheduler.regex_cost import (
-    ANY,
     CONTROL_ESCAPES,
     MAX_SPLITS,
     Part,
+    any_text,
     char_class,
     either,
     in_sequence,
@@ -43,9 +44,9 @@ _TAG_DISPATCH = re.compile(r"TagDispatch\(")
 _DISPATCHED = re.compile(rf"\(\s*({_STRING})\s*,\s*({_NAME})\s*\)")
 _STRING_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
 _CONTROL = {**CONTROL_ESCAPES, "0": "\0"}  # in an EBNF string `\0` is the NUL character
-_ANY_TEXT = Part(0, None, 1, Counter({ANY: 2}))  # what comes between a TagDispatch's tags
-_ONE_TOKEN = Part(1, None, 1, Counter({ANY: 2}))  # `Token(...)`, `ExcludeToken(...)`: some text
-_UNKNOWN = Part(1, None, MAX_SPLITS + 1, Counter({ANY: 2}))  # a rule named and not defined
+_ANY_TEXT = any_text(0)  # what comes between a TagDispatch's tags
+_ONE_TOKEN = any_text(1)  # `Token(...)`, `ExcludeToken(...)`: some text
+_UNKNOWN = any_text(1, MAX_SPLITS + 1)  # a rule named and not defined
 
 
 @dataclass(frozen=True)
@@ -310,26 +311,56 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _parts(rules: dict[str, _Rule]) -> dict[str, Part]:
-    """Each rule's Part, the rules it names first. Within a cycle a rule of the cycle is taken
-    as repeating any of the cycle's atoms (a count over one: past any bound)."""
+    """Each rule's Part, the rules it names first. A rule that names itself only at one end of its
+    alternatives is the repetition it prints (`r ::= x r | ""` is `x*`, counted once); otherwise
+    within a cycle a rule of the cycle is taken as repeating any of the cycle's atoms (a count
+    over one: past any bound)."""
     named = {name: {ref.rule for ref in _refs(rules, name)} for name in rules}
     parts: dict[str, Part] = {}
     for cycle in _cycles(named):
+        if len(cycle) == 1 and (linear := _linear(rules[cycle[0]], cycle[0], parts)) is not None:
+            parts[cycle[0]] = linear
+            continue
         members = set(cycle)
-        atoms = Counter[str]()
+        atoms = set[str]()
         for name in cycle:
             for sequence in rules[name]:
                 for item in sequence:
                     known = item if isinstance(item, Part) else parts.get(item.rule)
                     if known is not None:
-                        atoms.update(known.atoms)
+                        atoms |= known.firsts | known.later
         # a rule of the cycle costs what the costliest rule of it does, found in a second pass
-        recursion = Part(1, None, 1, Counter({atom: 2 for atom in atoms}))
+        recursion = any_text(1, atoms=atoms)
         for _ in range(2 if len(cycle) > 1 or cycle[0] in named[cycle[0]] else 1):
             found = {name: _part(rules[name], parts, members, recursion) for name in cycle}
             recursion = replace(recursion, splits=max(p.splits for p in found.values()))
         parts.update(found)
     return parts
+
+
+def _linear(rule: _Rule, name: str, parts: dict[str, Part]) -> Part | None:
+    """A rule that names itself once in some of its alternatives, always as their last item
+    (`r ::= x r | y`: x* y) or always as their first (`r ::= r x | y`: y x*); None for any other."""
+    for end in (-1, 0):
+        repeats: _Rule = []
+        ends: _Rule = []
+        for sequence in rule:
+            own = [
+                k for k, item in enumerate(sequence) if isinstance(item, _Ref) and item.rule == name
+            ]
+            if not own:
+                ends.append(sequence)
+            elif own == [end % len(sequence)] and sequence[end] == _Ref(name):
+                repeats.append(sequence[:-1] if end == -1 else sequence[1:])
+            else:
+                break
+        else:
+            if repeats and ends:
+                each = _part(repeats, parts, set(), _UNKNOWN)
+                body = replace(repeated(each, 0, None), splits=each.splits)  # counted once
+                rest = _part(ends, parts, set(), _UNKNOWN)
+                return in_sequence([body, rest] if end == -1 else [rest, body])
+    return None
 
 
 def _part(rule: _Rule, parts: dict[str, Part], cycle: set[str], recursion: Part) -> Part:

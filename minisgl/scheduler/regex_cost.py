@@ -8,11 +8,13 @@ any bound (`x(([a-z]?)*){0,2}`: 3.3 s for a mask, `x(([a-z]?)*){0,16}(([a-z]?)*)
 Measured on a 2-core CPU, the worst mask of 30-40 random tokens: `([a-z]{1,5}){1,10}` 0.13 s,
 `([a-z]{1,5}){1,32}` 0.53 s, `([a-z]{1,5}){1,64}` 2.1 s, `([a-z]?){0,40}([a-z]?){0,40}` 12.4 s. A
 count over a part of fixed length costs nothing of the kind (`[a-z]{0,1000}`: 3 ms), nor does one
-over a part that starts or ends with a character none of its other atoms matches, which splits
-its copies one way only (`(\\d+,){1,100}`: 1.5 ms)."""
+over a part whose copies split one way only: where a copy may end, the next character tells
+whether it goes on or the next copy begins (`(\\d+,){1,100}`: 1.5 ms; quoted items such as
+`("[^"]*",){0,59}`, or `(a|ab){40}`: under 1 ms). The reading keeps, for each part, the characters
+its matches may start with, hold later, and go on with past a whole match (Part)."""
 
 import re
-from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -24,7 +26,7 @@ UNBOUNDED_COPIES = 4
 # character here, in the scheduler process
 MAX_REGEX_LENGTH = 100_000
 _MAX_DEPTH = 64  # groups within groups
-_MAX_DELIMITED_ATOMS = 64  # distinct atoms of a part judged delimited at most (each is checked)
+_MAX_ATOMS = 64  # distinct atoms of a part kept at most; past it, any character
 _QUANTIFIERS = {"*": (0, None), "+": (1, None), "?": (0, 1)}
 COUNT = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")  # `{n}`, `{n,}`, `{n,m}`; EBNF allows spaces
 _CLASS_ESCAPES = set("dDwWsSbBpP0123456789")  # `\p{L}`, a back reference: not one character
@@ -41,24 +43,30 @@ class Part:
     shortest: int
     longest: int | None  # None: no bound
     splits: int  # the product of the counts above, up to MAX_SPLITS + 1
-    atoms: Counter[str]  # its atoms: a character (length 1), or a class's regex
-    first: str | None = None  # the character every match starts with, where there is one
-    last: str | None = None  # the one every match ends with
+    # atoms (a character, or a class's regex) that a match may start with, that it may hold
+    # past its first character, and by which a whole match may go on into a longer one
+    firsts: frozenset[str]
+    later: frozenset[str]
+    continues: frozenset[str]
 
     @property
     def varies(self) -> bool:
         return self.shortest != self.longest
 
     @property
-    def delimited(self) -> bool:
-        """Copies of the part side by side split one way only: it starts (or ends) with a
-        character that no other atom of it matches."""
-        if len(self.atoms) > _MAX_DELIMITED_ATOMS:
-            return False
-        return any(
-            c is not None and sum(n for atom, n in self.atoms.items() if _matches(atom, c)) == 1
-            for c in (self.first, self.last)
-        )
+    def splits_one_way(self) -> bool:
+        """Copies of the part side by side split one way only: where a copy may end, the next
+        character tells whether it goes on or the next copy begins."""
+        return not _overlap(self.continues, self.firsts)
+
+
+EMPTY = Part(0, 0, 1, frozenset(), frozenset(), frozenset())
+
+
+def any_text(shortest: int, splits: int = 1, atoms: Iterable[str] = (ANY,)) -> Part:
+    """Text of the atoms in any order (by default any characters), at least `shortest` of them."""
+    some = _bounded(frozenset(atoms))
+    return Part(shortest, None, splits, some, some, some)
 
 
 class _TooDeep(Exception):
@@ -78,7 +86,8 @@ def too_costly(pattern: str) -> str | None:
 
 
 def splits(pattern: str) -> int:
-    """The product of the counts of repetitions of parts of varying length (but delimited ones),
+    """The product of the counts of repetitions of parts of varying length (but those whose copies
+    split one way only),
     nested or in sequence (the largest over alternatives), up to MAX_SPLITS + 1; 1 for a pattern
     with none, MAX_SPLITS + 1 for groups nested past _MAX_DEPTH. A pattern xgrammar cannot read
     gets some number: its own error comes when it compiles."""
@@ -90,7 +99,7 @@ def regex_part(pattern: str) -> Part:
     try:
         return _Reader(pattern).alternatives()
     except _TooDeep:
-        return Part(1, None, MAX_SPLITS + 1, _bounded(Counter([ANY])))
+        return any_text(1, MAX_SPLITS + 1)
 
 
 @lru_cache(maxsize=4096)
@@ -141,7 +150,7 @@ class _Reader:
             self.i += 1  # the closing parenthesis
             return inner
         if char in "^$":
-            return Part(0, 0, 1, Counter())
+            return EMPTY
         if char == "\\":
             return self._escape()
         if char == "[":
@@ -199,34 +208,54 @@ def either(options: list[Part]) -> Part:
     if len(options) == 1:
         return options[0]
     lengths = [o.longest for o in options]
-    atoms = Counter[str]()
+    firsts, later, continues = frozenset[str](), set[str](), set[str]()
+    tangled = False  # a match of one option may begin one of another's
     for option in options:
-        atoms.update(option.atoms)
+        tangled = tangled or _overlap(firsts, option.firsts)
+        firsts = _bounded(firsts | option.firsts)
+        later |= option.later
+        continues |= option.continues
+    if tangled:
+        continues |= later
+    if any(o.shortest == 0 for o in options):  # the empty match goes on into any other
+        continues |= firsts
     return Part(
         min(o.shortest for o in options),
         None if None in lengths else max(lengths),  # type: ignore[type-var]
         max(o.splits for o in options),
-        _bounded(atoms),
+        firsts,
+        _bounded(later),
+        _bounded(continues),
     )
 
 
 def in_sequence(parts: list[Part]) -> Part:
     """Parts side by side: their products multiply."""
-    shortest, longest, product, atoms = 0, 0, 1, Counter[str]()
+    shortest, longest, product = 0, 0, 1
+    firsts, later, continues = frozenset[str](), frozenset[str](), frozenset[str]()
     for part in parts:
+        if _overlap(continues, part.firsts):  # where the parts before end is not known
+            continues = continues | later | part.firsts | part.later
+        elif part.shortest == 0:
+            continues = continues | part.continues | part.firsts
+        else:
+            continues = part.continues
+        if shortest == 0:
+            firsts |= part.firsts
+        if longest != 0:
+            later |= part.firsts
+        later |= part.later
         shortest += part.shortest
         longest = None if longest is None or part.longest is None else longest + part.longest
         product = min(product * part.splits, MAX_SPLITS + 1)
-        atoms.update(part.atoms)
-    first = parts[0].first if parts else None
-    last = parts[-1].last if parts else None
-    return Part(shortest, longest, product, _bounded(atoms), first, last)
+        firsts, later, continues = _bounded(firsts), _bounded(later), _bounded(continues)
+    return Part(shortest, longest, product, firsts, later, continues)
 
 
 def repeated(part: Part, low: int, high: int | None) -> Part:
     """The part repeated `low` to `high` times (None: no bound)."""
     if high == 0:
-        return Part(0, 0, 1, Counter())
+        return EMPTY
     if part.longest == 0:
         longest: int | None = 0
     elif high is None or part.longest is None:
@@ -235,29 +264,85 @@ def repeated(part: Part, low: int, high: int | None) -> Part:
         longest = high * part.longest
     if part.shortest == 0 and part.longest != 0 and (high is None or high > 1):
         copies = MAX_SPLITS + 1  # each copy may match nothing: any number of them at each place
-    elif not part.varies or part.delimited:
+    elif not part.varies or part.splits_one_way:
         copies = 1
     else:
         copies = high if high is not None else max(low, UNBOUNDED_COPIES)
-    edges = (part.first, part.last) if low >= 1 else (None, None)
+    later = part.later if high == 1 else _bounded(part.later | part.firsts)
+    if high == 1:
+        continues = part.continues | part.firsts if low == 0 else part.continues
+    elif not part.splits_one_way:
+        continues = later | part.firsts
+    elif low == high and part.shortest > 0:
+        continues = part.continues
+    else:  # a whole match goes on into one more copy
+        continues = part.continues | part.firsts
     product = min(part.splits * copies, MAX_SPLITS + 1)
-    # an atom that repeats is no delimiter of a part around it
-    atoms = part.atoms if high == 1 else Counter({a: 2 * n for a, n in part.atoms.items()})
-    return Part(low * part.shortest, longest, product, atoms, *edges)
+    return Part(low * part.shortest, longest, product, part.firsts, later, _bounded(continues))
 
 
-def _bounded(atoms: Counter[str]) -> Counter[str]:
-    """The atoms, or, past _MAX_DELIMITED_ATOMS, any character twice: no part holding them is
-    delimited either way, and a chain of parts does not carry ever more of them."""
-    if len(atoms) > _MAX_DELIMITED_ATOMS:
-        return Counter({ANY: 2})
-    return atoms
+def _bounded(atoms: frozenset[str] | set[str]) -> frozenset[str]:
+    """The atoms, or past _MAX_ATOMS any character: a chain of parts does not carry ever more."""
+    if len(atoms) > _MAX_ATOMS:
+        return frozenset([ANY])
+    return frozenset(atoms)
+
+
+def _overlap(atoms: frozenset[str] | set[str], others: frozenset[str] | set[str]) -> bool:
+    """Whether an atom of each may match one character."""
+    if not atoms or not others:
+        return False
+    if _ascii(atoms) & _ascii(others):
+        return True
+    wide = [a for a in atoms if _wide(a)]
+    return any(_both_wide(a, b) for a in wide for b in others if _wide(b))
+
+
+def _ascii(atoms: frozenset[str] | set[str]) -> int:
+    """The ASCII characters the atoms may match, one bit each."""
+    bits = 0
+    for atom in atoms:
+        bits |= _ascii_bits(atom)
+    return bits
+
+
+_ASCII = "".join(map(chr, range(128)))
+
+
+@lru_cache(maxsize=4096)
+def _ascii_bits(atom: str) -> int:
+    if len(atom) == 1:
+        return 1 << ord(atom) if atom < "\x80" else 0
+    try:
+        found = re.findall(atom, _ASCII)
+    except re.error:
+        return (1 << 128) - 1
+    return sum(1 << ord(c) for c in set(found) if len(c) == 1)
+
+
+# a class that may only match ASCII: no `[^`, no character past it, no escape that may name one
+_NARROW_CLASS = re.compile(r"\[(?!\^)(?:[\x00-\x5b\x5d-\x7f]|\\[^uUxNpPWSD0-9])*\]")
+
+
+@lru_cache(maxsize=4096)
+def _wide(atom: str) -> bool:
+    """Whether the atom may match a character past ASCII."""
+    if len(atom) == 1:
+        return atom >= "\x80"
+    return _NARROW_CLASS.fullmatch(atom) is None
+
+
+def _both_wide(atom: str, other: str) -> bool:
+    """Whether two atoms that may match characters past ASCII may match the same one."""
+    if len(atom) == 1:
+        return _matches(other, atom)
+    return len(other) != 1 or _matches(atom, other)
 
 
 def literal(char: str) -> Part:
-    return Part(1, 1, 1, Counter([char]), char, char)
+    return Part(1, 1, 1, frozenset([char]), frozenset(), frozenset())
 
 
 def char_class(regex: str) -> Part:
     """One character of a class, written as a regex (one Python cannot read matches any)."""
-    return Part(1, 1, 1, Counter([regex]))
+    return Part(1, 1, 1, frozenset([regex]), frozenset(), frozenset())
