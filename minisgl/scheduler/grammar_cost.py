@@ -104,7 +104,7 @@ def _read(printed: str) -> dict[str, _Rule]:
         body = printed[head.end() : after.start() if after else len(printed)].rstrip()
         if _TAG_DISPATCH.match(body):
             dispatched = [
-                [_ANY_TEXT, _string(tag), _Ref(rule)] for tag, rule in _DISPATCHED.findall(body)
+                [_ANY_TEXT, *_string(tag), _Ref(rule)] for tag, rule in _DISPATCHED.findall(body)
             ]
             rules[head.group(1)] = [[_ANY_TEXT], *dispatched]
             continue
@@ -159,7 +159,7 @@ class _Reader:
                     self.groups.add(group)
                     items.append(_Ref(group))
             elif token["string"]:
-                items.append(_string(token["string"]))
+                items += _string(token["string"])
             elif token["chars"]:
                 one = char_class(token["chars"])
                 items.append(repeated(one, 0, None) if token["star"] else one)
@@ -188,8 +188,10 @@ class _Reader:
             self.i += 1
 
 
-def _string(quoted: str) -> Part:
-    return in_sequence([literal(c) for c in _unescaped(quoted[1:-1])])
+def _string(quoted: str) -> list[Part]:
+    """A string's characters, each a part of the sequence around it (as a regex's are): where
+    the parts before it may end is then judged at each of them."""
+    return [literal(c) for c in _unescaped(quoted[1:-1])]
 
 
 def _unescaped(text: str) -> str:

@@ -104,13 +104,27 @@ def regex_part(pattern: str) -> Part:
 
 @lru_cache(maxsize=4096)
 def _matches(atom: str, char: str) -> bool:
-    """Whether the atom may match the character (a class Python cannot read: yes)."""
+    """Whether the atom may match the character (a class Python reads otherwise: yes)."""
     if len(atom) == 1:
         return atom == char
+    compiled = _as_python(atom)
+    return compiled is None or compiled.fullmatch(char) is not None
+
+
+# escapes Python reads otherwise than xgrammar: `\N{name}` (xgrammar: the letters), `\1`, `\012`
+# (xgrammar: the digits)
+_READ_OTHERWISE = re.compile(r"\\(?:N|[1-9]|0[0-9])")
+
+
+@lru_cache(maxsize=4096)
+def _as_python(atom: str) -> re.Pattern[str] | None:
+    """A class as Python reads it; None where Python cannot, or would read it otherwise."""
+    if _READ_OTHERWISE.search(atom):
+        return None
     try:
-        return re.fullmatch(atom, char) is not None
+        return re.compile(atom)
     except re.error:
-        return True
+        return None
 
 
 class _Reader:
@@ -155,8 +169,7 @@ class _Reader:
             return self._escape()
         if char == "[":
             start = self.i - 1
-            self.i += self.text.startswith("^", self.i)
-            self.i += self.text.startswith("]", self.i)  # `[]...]`: a bracket as its first member
+            self.i += self.text.startswith("^", self.i)  # `[^]` is any character to xgrammar
             while self.i < len(self.text) and self.text[self.i] != "]":
                 self.i += 2 if self.text[self.i] == "\\" else 1
             self.i += 1
@@ -313,15 +326,15 @@ _ASCII = "".join(map(chr, range(128)))
 def _ascii_bits(atom: str) -> int:
     if len(atom) == 1:
         return 1 << ord(atom) if atom < "\x80" else 0
-    try:
-        found = re.findall(atom, _ASCII)
-    except re.error:
+    compiled = _as_python(atom)
+    if compiled is None:
         return (1 << 128) - 1
-    return sum(1 << ord(c) for c in set(found) if len(c) == 1)
+    return sum(1 << ord(c) for c in set(compiled.findall(_ASCII)) if len(c) == 1)
 
 
 # a class that may only match ASCII: no `[^`, no character past it, no escape that may name one
-_NARROW_CLASS = re.compile(r"\[(?!\^)(?:[\x00-\x5b\x5d-\x7f]|\\[^uUxNpPWSD0-9])*\]")
+# (xgrammar's `\s` holds spaces past ASCII)
+_NARROW_CLASS = re.compile(r"\[(?!\^)(?:[\x00-\x5b\x5d-\x7f]|\\[^uUxNpPsWSD0-9])*\]")
 
 
 @lru_cache(maxsize=4096)
