@@ -13,6 +13,7 @@ import json
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import openai
@@ -474,6 +475,29 @@ def test_xgrammar_s_own_json_grammar_passes() -> None:
 
 
 COSTLY = "too costly to match: the counts of its repetitions"
+# `x`, then two runs of up to 40 optional letters: as `x([a-z]?){0,40}([a-z]?){0,40}`
+COSTLY_REPEATS = {
+    "type": "sequence",
+    "elements": [
+        {"type": "const_string", "value": "x"},
+        *[
+            {
+                "type": "repeat",
+                "min": 0,
+                "max": 40,
+                "content": {"type": "regex", "pattern": "[a-z]?"},
+            }
+        ]
+        * 2,
+    ],
+}
+COSTLY_LARK = {"type": "grammar", "syntax": "lark", "grammar": 'start: "x" a a\na: /[a-z]?/*'}
+
+
+def _tag(form: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "structural_tag", "format": form}
+
+
 LONG_PATTERN = "[a-z]" * 12_000  # 60,000 characters
 
 
@@ -517,6 +541,8 @@ LONG_PATTERN = "[a-z]" * 12_000  # 60,000 characters
             ),
             COSTLY,
         ),
+        (StructuredOutput(structural_tag=json.dumps(_tag(COSTLY_REPEATS))), COSTLY),
+        (StructuredOutput(structural_tag=json.dumps(_tag(COSTLY_LARK))), COSTLY),
     ],
     ids=[
         "regex",
@@ -526,6 +552,8 @@ LONG_PATTERN = "[a-z]" * 12_000  # 60,000 characters
         "long patterns",
         "grammar",
         "structural tag's grammar",
+        "structural tag's repeats",
+        "structural tag's Lark grammar",
     ],
 )
 def test_a_regex_too_costly_to_match_is_refused_before_it_compiles(
@@ -534,6 +562,77 @@ def test_a_regex_too_costly_to_match_is_refused_before_it_compiles(
     llm = llms[True]
     with pytest.raises(ValueError, match=match):
         llm.generate(["a"], SamplingParams(max_tokens=4, structured=constraint), use_tqdm=False)
+    assert not llm.scheduler.has_work
+
+
+def _tagged(content: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Structural tags of every kind that holds a part, each around `content`."""
+    tag = {"type": "tag", "begin": "<a>", "content": content, "end": "</a>"}
+    by_token = {"type": "tag", "begin": {"type": "token", "token": "<tool_call>"}, "content": content,
+                "end": {"type": "token", "token": "</tool_call>"}}  # fmt: skip
+    excluded = {"exclude_tokens": ["<|im_end|>"]}
+    return {
+        "sequence": {
+            "type": "sequence",
+            "elements": [{"type": "const_string", "value": "x"}, content],
+        },
+        "tag of tokens": by_token,
+        "triggered tags": {"type": "triggered_tags", "triggers": ["<a"], "tags": [tag]},
+        "token-triggered tags": {
+            "type": "token_triggered_tags",
+            "trigger_tokens": ["<tool_call>"],
+            "tags": [by_token],
+            **excluded,
+        },
+        "tags with separator": {"type": "tags_with_separator", "separator": ",", "tags": [tag]},
+        "dispatch": {"type": "dispatch", "rules": [["<a>", content]]},
+        "token dispatch": {
+            "type": "token_dispatch",
+            "rules": [["<tool_call>", content]],
+            **excluded,
+        },
+        "plus": {"type": "plus", "content": content},
+        "after any tokens": {
+            "type": "sequence",
+            "elements": [{"type": "any_tokens", "max_tokens": 5, **excluded}, content],
+        },
+        "after a Lark grammar with a token": {
+            "type": "sequence",
+            "elements": [
+                {"type": "grammar", "syntax": "lark", "grammar": 'start: "a" | <|im_end|>'},
+                content,
+            ],
+        },
+        "after a Qwen XML parameter": {
+            "type": "sequence",
+            "elements": [
+                {"type": "qwen_xml_parameter", "json_schema": {"type": "object"}},
+                content,
+            ],
+        },
+    }
+
+
+CHEAP_REPEATS = {  # `([a-z]+,){1,40}`: not empty (a `plus` of what may be is refused)
+    "type": "repeat",
+    "min": 1,
+    "max": 40,
+    "content": {"type": "regex", "pattern": "[a-z]+,"},
+}
+
+
+@pytest.mark.parametrize("kind", list(_tagged(COSTLY_REPEATS)))
+def test_a_structural_tag_is_read_whole_before_it_compiles(
+    llms: dict[bool, LLM], kind: str
+) -> None:
+    """Its parts are read as xgrammar builds them from the tag, inside any kind of part: the costly
+    repeats are refused, cheap ones (copies that split one way) pass."""
+    llm = llms[True]
+    costly = StructuredOutput(structural_tag=json.dumps(_tag(_tagged(COSTLY_REPEATS)[kind])))
+    with pytest.raises(ValueError, match="a structural tag too costly to match"):
+        llm.generate(["a"], SamplingParams(max_tokens=4, structured=costly), use_tqdm=False)
+    cheap = StructuredOutput(structural_tag=json.dumps(_tag(_tagged(CHEAP_REPEATS)[kind])))
+    assert llm.generate(["a"], SamplingParams(max_tokens=4, structured=cheap), use_tqdm=False)
     assert not llm.scheduler.has_work
 
 

@@ -47,6 +47,7 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 class _Compiler:
     compiler: Any  # xgrammar's GrammarCompiler
     tokenizer: Any
+    info: Any  # its TokenizerInfo
 
 
 class Grammars:
@@ -123,7 +124,7 @@ class Grammars:
         # the grammars are cached here (CACHED_GRAMMARS), not again without bound in xgrammar
         compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.compiler_built_at = time.monotonic()
-        return _Compiler(compiler, tokenizer)
+        return _Compiler(compiler, tokenizer, info)
 
     def check(self, spec: StructuredOutput, compiled: Future[Any]) -> tuple[Any, int | None]:
         """The compiled grammar, once it is, and the id of the token it starts after (None: from
@@ -259,7 +260,7 @@ def _compile(compiler: Future[_Compiler], spec: StructuredOutput, timed: bool) -
     token at all (`root ::= root`), or, with `timed`, a first mask past MAX_MATCH_SECONDS."""
     import xgrammar
 
-    grammar = _grammar(compiler.result().compiler, spec)
+    grammar = _grammar(compiler.result(), spec)
     start = time.thread_time()
     mask = xgrammar.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
     xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
@@ -273,10 +274,10 @@ def _compile(compiler: Future[_Compiler], spec: StructuredOutput, timed: bool) -
     return grammar
 
 
-def _grammar(c: Any, spec: StructuredOutput) -> Any:
-    """The grammar of one constraint, compiled by xgrammar's compiler `c`. JSON allows no free
-    whitespace (vLLM's disable_any_whitespace): sampled whitespace otherwise runs to the token
-    limit."""
+def _grammar(compiler: _Compiler, spec: StructuredOutput) -> Any:
+    """The grammar of one constraint, compiled by xgrammar. JSON allows no free whitespace (vLLM's
+    disable_any_whitespace): sampled whitespace otherwise runs to the token limit."""
+    c = compiler.compiler
     if spec.json_schema is not None:
         try:
             schemas = [json.loads(spec.json_schema)]
@@ -301,6 +302,9 @@ def _grammar(c: Any, spec: StructuredOutput) -> Any:
             regexes=_tag_parts(tag, "regex", "pattern"),
             grammars=_tag_parts(tag, "grammar", "grammar"),
         )
+        built = _tag_grammar(tag, compiler.info)
+        if built is not None and (why := grammar_cost.too_costly(built)) is not None:
+            raise ValueError(f"invalid structured output: a structural tag {why}")
         return c.compile_structural_tag(tag)
     _refuse_unenforced(grammars=[spec.grammar])
     return c.compile_grammar(spec.grammar)
@@ -350,3 +354,50 @@ def _tag_parts(node: Any, kind: str, field: str) -> list[Any]:
     if node.get("type") == kind:
         return [node.get(field)]
     return [s for value in node.values() for s in _tag_parts(value, kind, field)]
+
+
+# a JSON schema's part of a structural tag, for its reading: a schema is not read (its compile and
+# first mask are timed), here as there
+_SCHEMA_STAND_IN = {"type": "const_string", "value": "{}"}
+
+
+def _tag_grammar(tag: dict[str, Any], info: Any) -> Any:
+    """The grammar xgrammar builds of a structural tag, for grammar_cost to read its repeats and
+    Lark parts too; None where xgrammar refuses it (its own error comes when it compiles)."""
+    import xgrammar
+
+    try:
+        return xgrammar.Grammar.from_structural_tag(_readable(tag, info))
+    except Exception:  # xgrammar's errors have no common class
+        return None
+
+
+def _readable(node: Any, info: Any) -> Any:
+    """A structural tag that xgrammar builds without the tokenizer: its tokens by number (any one
+    costs the reading alike), its Lark parts as EBNF, its JSON schemas as a fixed text."""
+    if isinstance(node, list):
+        return [_readable(item, info) for item in node]
+    if not isinstance(node, dict):
+        return node
+    kind = node.get("type")
+    if kind in ("json_schema", "qwen_xml_parameter"):
+        return _SCHEMA_STAND_IN
+    if kind == "grammar" and node.get("syntax") == "lark" and isinstance(node.get("grammar"), str):
+        import xgrammar
+
+        return {
+            "type": "grammar",
+            "grammar": str(xgrammar.Grammar.from_lark(node["grammar"], tokenizer_info=info)),
+        }
+    out = {key: _readable(value, info) for key, value in node.items()}
+    if kind == "token":
+        out["token"] = 0
+    if "exclude_tokens" in out:
+        out["exclude_tokens"] = []
+    if "trigger_tokens" in out and isinstance(out["trigger_tokens"], list):
+        out["trigger_tokens"] = list(range(len(out["trigger_tokens"])))
+    if kind == "token_dispatch" and isinstance(out.get("rules"), list):
+        out["rules"] = [
+            [k, *rule[1:]] for k, rule in enumerate(out["rules"]) if isinstance(rule, list)
+        ]
+    return out

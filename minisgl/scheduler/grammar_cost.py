@@ -17,6 +17,7 @@ bound: it cannot be judged."""
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 from minisgl.scheduler.regex_cost import (
     CONTROL_ESCAPES,
@@ -39,9 +40,10 @@ _TOKEN = re.compile(
     rf"|(?P<regex>Regex\((?P<pattern>{_STRING})\))|(?P<token>(?:Exclude)?Token\([\d, ]*\))"
     rf"|(?P<name>{_NAME})(?:\{{(?P<low>\d+), (?P<high>-?\d+)\}})?|(?P<mark>[()|]))"
 )
-# a TagDispatch rule's (tag, rule) pairs: the rest of it (its options) matches nothing itself
-_TAG_DISPATCH = re.compile(r"TagDispatch\(")
-_DISPATCHED = re.compile(rf"\(\s*({_STRING})\s*,\s*({_NAME})\s*\)")
+# a TagDispatch rule's (tag, rule) pairs, a TokenTagDispatch's (token id, rule): the rest of it
+# (its options) matches nothing itself
+_TAG_DISPATCH = re.compile(r"(?:Token)?TagDispatch\(")
+_DISPATCHED = re.compile(rf"\(\s*(?:({_STRING})|\d+)\s*,\s*({_NAME})\s*\)")
 _STRING_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
 _CONTROL = {**CONTROL_ESCAPES, "0": "\0"}  # in an EBNF string `\0` is the NUL character
 _ANY_TEXT = any_text(0)  # what comes between a TagDispatch's tags
@@ -64,10 +66,10 @@ class _Unread(Exception):
     """Printed syntax this module does not know."""
 
 
-def too_costly(ebnf: str) -> str | None:
-    """Why an EBNF grammar is too costly to match; None if it is not (or xgrammar cannot read it:
-    its own error comes when it compiles)."""
-    if splits(ebnf) <= MAX_SPLITS:
+def too_costly(grammar: Any) -> str | None:
+    """Why a grammar (EBNF text, or an xgrammar.Grammar built) is too costly to match; None if it
+    is not (or xgrammar cannot read it: its own error comes when it compiles)."""
+    if splits(grammar) <= MAX_SPLITS:
         return None
     return (
         "too costly to match: the counts of its repetitions of rules of varying length, nested or "
@@ -76,19 +78,20 @@ def too_costly(ebnf: str) -> str | None:
     )
 
 
-def splits(ebnf: str) -> int:
-    """The largest product over the grammar's rules of the counts of repetitions of rules of
-    varying length (regex_cost.splits), up to MAX_SPLITS + 1; MAX_SPLITS + 1 for a cycle of rules
-    that may match nothing or is counted, or syntax not known here; 1 for a grammar xgrammar
-    cannot read."""
+def splits(grammar: Any) -> int:
+    """The largest product over a grammar's rules (EBNF text, or an xgrammar.Grammar built) of the
+    counts of repetitions of rules of varying length (regex_cost.splits), up to MAX_SPLITS + 1;
+    MAX_SPLITS + 1 for a cycle of rules that may match nothing or is counted, or syntax not known
+    here; 1 for a grammar xgrammar cannot read."""
     import xgrammar
 
+    if isinstance(grammar, str):
+        try:
+            grammar = xgrammar.Grammar.from_ebnf(grammar)
+        except (RuntimeError, UnicodeError):
+            return 1
     try:
-        printed = str(xgrammar.Grammar.from_ebnf(ebnf))
-    except (RuntimeError, UnicodeError):
-        return 1
-    try:
-        rules = _read(printed)
+        rules = _read(str(grammar))
     except _Unread:
         return MAX_SPLITS + 1
     if _empty_cycle(rules):
@@ -104,7 +107,8 @@ def _read(printed: str) -> dict[str, _Rule]:
         body = printed[head.end() : after.start() if after else len(printed)].rstrip()
         if _TAG_DISPATCH.match(body):
             dispatched = [
-                [_ANY_TEXT, *_string(tag), _Ref(rule)] for tag, rule in _DISPATCHED.findall(body)
+                [_ANY_TEXT, *(_string(tag) if tag else [_ONE_TOKEN]), _Ref(rule)]
+                for tag, rule in _DISPATCHED.findall(body)
             ]
             rules[head.group(1)] = [[_ANY_TEXT], *dispatched]
             continue
