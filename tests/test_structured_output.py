@@ -492,6 +492,14 @@ COSTLY_REPEATS = {
     ],
 }
 COSTLY_LARK = {"type": "grammar", "syntax": "lark", "grammar": 'start: "x" a a\na: /[a-z]?/*'}
+# with no property required, a schema's XML may be empty: two repeats of it took 1.77 s a mask
+XML_SCHEMA = {
+    "type": "qwen_xml_parameter",
+    "json_schema": {"type": "object", "properties": {"a": {}}},
+}
+COSTLY_XML_REPEATS = {**COSTLY_REPEATS, "elements": [
+    {"type": "const_string", "value": "x"},
+    *[{"type": "repeat", "min": 0, "max": 40, "content": XML_SCHEMA}] * 2]}  # fmt: skip
 
 
 def _tag(form: dict[str, Any]) -> dict[str, Any]:
@@ -543,6 +551,7 @@ LONG_PATTERN = "[a-z]" * 12_000  # 60,000 characters
         ),
         (StructuredOutput(structural_tag=json.dumps(_tag(COSTLY_REPEATS))), COSTLY),
         (StructuredOutput(structural_tag=json.dumps(_tag(COSTLY_LARK))), COSTLY),
+        (StructuredOutput(structural_tag=json.dumps(_tag(COSTLY_XML_REPEATS))), COSTLY),
     ],
     ids=[
         "regex",
@@ -554,6 +563,7 @@ LONG_PATTERN = "[a-z]" * 12_000  # 60,000 characters
         "structural tag's grammar",
         "structural tag's repeats",
         "structural tag's Lark grammar",
+        "structural tag's repeats of XML",
     ],
 )
 def test_a_regex_too_costly_to_match_is_refused_before_it_compiles(
@@ -580,8 +590,8 @@ def _tagged(content: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "triggered tags": {"type": "triggered_tags", "triggers": ["<a"], "tags": [tag]},
         "token-triggered tags": {
             "type": "token_triggered_tags",
-            "trigger_tokens": ["<tool_call>"],
-            "tags": [by_token],
+            "trigger_tokens": ["<tool_call>", "<think>"],
+            "tags": [by_token, {**by_token, "begin": {"type": "token", "token": "<think>"}}],
             **excluded,
         },
         "tags with separator": {"type": "tags_with_separator", "separator": ",", "tags": [tag]},
@@ -634,6 +644,18 @@ def test_a_structural_tag_is_read_whole_before_it_compiles(
     cheap = StructuredOutput(structural_tag=json.dumps(_tag(_tagged(CHEAP_REPEATS)[kind])))
     assert llm.generate(["a"], SamplingParams(max_tokens=4, structured=cheap), use_tqdm=False)
     assert not llm.scheduler.has_work
+
+
+def test_a_lark_grammar_s_repeats_over_its_own_recursion_pass(llms: dict[bool, LLM]) -> None:
+    """Lark prints `*` as a count (`list_repeat{0, -1}`), EBNF as recursion: read alike."""
+    lark = {
+        "type": "grammar",
+        "syntax": "lark",
+        "grammar": 'start: list\nlist: "[" (list ("," list)*)? "]"',
+    }
+    constraint = StructuredOutput(structural_tag=json.dumps(_tag(lark)))
+    params = SamplingParams(max_tokens=4, structured=constraint)
+    assert llms[True].generate(["a"], params, use_tqdm=False)[0]["text"].startswith("[")
 
 
 def test_a_grammar_that_dead_ends_ends_its_request_in_error(llms: dict[bool, LLM]) -> None:

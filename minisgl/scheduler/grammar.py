@@ -298,7 +298,10 @@ def _grammar(compiler: _Compiler, spec: StructuredOutput) -> Any:
         if not isinstance(tag, dict):  # xgrammar's TypeError otherwise
             raise ValueError("invalid structured output: a structural tag is a JSON object")
         _refuse_unenforced(
-            schemas=_tag_parts(tag, "json_schema", "json_schema"),
+            schemas=[
+                *_tag_parts(tag, "json_schema", "json_schema"),
+                *_tag_parts(tag, "qwen_xml_parameter", "json_schema"),
+            ],
             regexes=_tag_parts(tag, "regex", "pattern"),
             grammars=_tag_parts(tag, "grammar", "grammar"),
         )
@@ -357,8 +360,9 @@ def _tag_parts(node: Any, kind: str, field: str) -> list[Any]:
 
 
 # a JSON schema's part of a structural tag, for its reading: a schema is not read (its compile and
-# first mask are timed), here as there
+# first mask are timed), here as there; but an XML style's may match nothing (no property required)
 _SCHEMA_STAND_IN = {"type": "const_string", "value": "{}"}
+_XML_SCHEMA_STAND_IN = {"type": "optional", "content": _SCHEMA_STAND_IN}
 
 
 def _tag_grammar(tag: dict[str, Any], info: Any) -> Any:
@@ -367,37 +371,57 @@ def _tag_grammar(tag: dict[str, Any], info: Any) -> Any:
     import xgrammar
 
     try:
-        return xgrammar.Grammar.from_structural_tag(_readable(tag, info))
+        return xgrammar.Grammar.from_structural_tag(_Readable(info).tag(tag))
     except Exception:  # xgrammar's errors have no common class
         return None
 
 
-def _readable(node: Any, info: Any) -> Any:
-    """A structural tag that xgrammar builds without the tokenizer: its tokens by number (any one
-    costs the reading alike), its Lark parts as EBNF, its JSON schemas as a fixed text."""
-    if isinstance(node, list):
-        return [_readable(item, info) for item in node]
-    if not isinstance(node, dict):
-        return node
-    kind = node.get("type")
-    if kind in ("json_schema", "qwen_xml_parameter"):
-        return _SCHEMA_STAND_IN
-    if kind == "grammar" and node.get("syntax") == "lark" and isinstance(node.get("grammar"), str):
-        import xgrammar
+class _Readable:
+    """A structural tag that xgrammar builds without the tokenizer: each token named by a string
+    gets a number of its own past the vocabulary (any one costs the reading alike), its Lark
+    parts become EBNF, its JSON schemas a stand-in."""
 
-        return {
-            "type": "grammar",
-            "grammar": str(xgrammar.Grammar.from_lark(node["grammar"], tokenizer_info=info)),
-        }
-    out = {key: _readable(value, info) for key, value in node.items()}
-    if kind == "token":
-        out["token"] = 0
-    if "exclude_tokens" in out:
-        out["exclude_tokens"] = []
-    if "trigger_tokens" in out and isinstance(out["trigger_tokens"], list):
-        out["trigger_tokens"] = list(range(len(out["trigger_tokens"])))
-    if kind == "token_dispatch" and isinstance(out.get("rules"), list):
-        out["rules"] = [
-            [k, *rule[1:]] for k, rule in enumerate(out["rules"]) if isinstance(rule, list)
-        ]
-    return out
+    def __init__(self, info: Any) -> None:
+        self.info = info
+        self.ids: dict[str, int] = {}
+
+    def tag(self, node: Any) -> Any:
+        if isinstance(node, list):
+            return [self.tag(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        kind = node.get("type")
+        if kind == "json_schema":
+            return (
+                _SCHEMA_STAND_IN
+                if node.get("style", "json") in ("json", "gemma")
+                else _XML_SCHEMA_STAND_IN
+            )
+        if kind == "qwen_xml_parameter":
+            return _XML_SCHEMA_STAND_IN
+        if (
+            kind == "grammar"
+            and node.get("syntax") == "lark"
+            and isinstance(node.get("grammar"), str)
+        ):
+            import xgrammar
+
+            lark = xgrammar.Grammar.from_lark(node["grammar"], tokenizer_info=self.info)
+            return {"type": "grammar", "grammar": str(lark)}
+        out = {key: self.tag(value) for key, value in node.items()}
+        if kind == "token":
+            out["token"] = self._id(out.get("token"))
+        for key in ("exclude_tokens", "trigger_tokens"):
+            if isinstance(out.get(key), list):
+                out[key] = [self._id(token) for token in out[key]]
+        if kind == "token_dispatch" and isinstance(out.get("rules"), list):
+            out["rules"] = [
+                [self._id(rule[0]), *rule[1:]] if isinstance(rule, list) and rule else rule
+                for rule in out["rules"]
+            ]
+        return out
+
+    def _id(self, token: Any) -> Any:
+        if not isinstance(token, str):
+            return token
+        return self.ids.setdefault(token, self.info.vocab_size + len(self.ids))

@@ -379,8 +379,8 @@ def _part(rule: _Rule, parts: dict[str, Part], cycle: set[str], recursion: Part)
                 pieces.append(item)
             elif item.rule not in cycle:
                 pieces.append(repeated(parts.get(item.rule, _UNKNOWN), item.low, item.high))
-            elif item.high == 1:
-                pieces.append(recursion)
+            elif item.high == 1 or (item.high is None and item.low <= 1):
+                pieces.append(recursion)  # a `*` or `+` as a count (Lark's print): counted once
             else:
                 pieces.append(replace(recursion, splits=MAX_SPLITS + 1))
         alternatives.append(in_sequence(pieces))
