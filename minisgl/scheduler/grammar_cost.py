@@ -44,6 +44,8 @@ _TOKEN = re.compile(
 # (its options) matches nothing itself
 _TAG_DISPATCH = re.compile(r"(?:Token)?TagDispatch\(")
 _DISPATCHED = re.compile(rf"\(\s*(?:({_STRING})|\d+)\s*,\s*({_NAME})\s*\)")
+_EXCLUDES = re.compile(rf"excludes=\(((?:\s*{_STRING}\s*,?)*)\)")
+_LONGEST_EXCLUDE = 256  # characters of an exclude matched against what follows, at most
 _STRING_ESCAPE = re.compile(r"\\(x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
 _CONTROL = {**CONTROL_ESCAPES, "0": "\0"}  # in an EBNF string `\0` is the NUL character
 _ANY_TEXT = any_text(0)  # what comes between a TagDispatch's tags
@@ -103,6 +105,8 @@ def _read(printed: str) -> dict[str, _Rule]:
     """The rules of xgrammar's print of a grammar, by name (lookaheads left out)."""
     heads = list(_RULE.finditer(printed))
     rules: dict[str, _Rule] = {}
+    # the excludes of each TagDispatch with nothing to dispatch (a structural tag's any text)
+    excluding: dict[str, set[str]] = {}
     for head, after in zip(heads, [*heads[1:], None], strict=True):
         body = printed[head.end() : after.start() if after else len(printed)].rstrip()
         if _TAG_DISPATCH.match(body):
@@ -111,6 +115,10 @@ def _read(printed: str) -> dict[str, _Rule]:
                 for tag, rule in _DISPATCHED.findall(body)
             ]
             rules[head.group(1)] = [[_ANY_TEXT], *dispatched]
+            if not dispatched and (excludes := _EXCLUDES.search(body)):
+                excluding[head.group(1)] = {
+                    _unescaped(e[1:-1]) for e in re.findall(_STRING, excludes[1])
+                }
             continue
         tokens = [m for m in _TOKEN.finditer(body) if m.group().strip()]
         if "".join(m.group() for m in tokens) != body:
@@ -119,7 +127,49 @@ def _read(printed: str) -> dict[str, _Rule]:
         rules[head.group(1)] = reader.alternatives(rules, head.group(1))
         if reader.i != len(tokens):  # a parenthesis closed that never opened
             raise _Unread
+    if excluding:
+        rules = {name: [_ended(s, excluding) for s in options] for name, options in rules.items()}
     return rules
+
+
+def _ended(sequence: list[_Item], excluding: dict[str, set[str]]) -> list[_Item]:
+    """The sequence with text that holds none of its excludes (a structural tag's any text), then
+    one of them, read as one part that ends where that exclude first comes: once it has no
+    border (no proper prefix of it is also its suffix), no whole match goes on."""
+    out: list[_Item] = []
+    k = 0
+    while k < len(sequence):
+        item = sequence[k]
+        k += 1
+        if isinstance(item, _Ref) and item == _Ref(item.rule) and item.rule in excluding:
+            following = ""
+            for after in sequence[k : k + _LONGEST_EXCLUDE]:
+                if (char := _char(after)) is None:
+                    break
+                following += char
+            for end in excluding[item.rule]:
+                if end and following.startswith(end) and _borderless(end):
+                    out.append(replace(any_text(len(end)), continues=frozenset()))
+                    k += len(end)
+                    break
+            else:
+                out.append(item)
+        else:
+            out.append(item)
+    return out
+
+
+def _char(item: _Item) -> str | None:
+    """The character of a part that is one literal character (an EBNF string's); else None."""
+    if isinstance(item, Part) and item.shortest == item.longest == 1 and len(item.firsts) == 1:
+        atom = next(iter(item.firsts))
+        if len(atom) == 1 and not item.later:
+            return atom
+    return None
+
+
+def _borderless(text: str) -> bool:
+    return all(text[:n] != text[-n:] for n in range(1, len(text)))
 
 
 class _Reader:
