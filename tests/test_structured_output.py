@@ -660,16 +660,27 @@ def test_repeated_tags_of_any_text_pass(llms: dict[bool, LLM]) -> None:
     assert llms[True].generate(["a"], params, use_tqdm=False)[0]["text"].startswith("<step")
 
 
-def test_a_lark_grammar_s_repeats_over_its_own_recursion_pass(llms: dict[bool, LLM]) -> None:
-    """Lark prints `*` as a count (`list_repeat{0, -1}`), EBNF as recursion: read alike."""
-    lark = {
-        "type": "grammar",
-        "syntax": "lark",
-        "grammar": 'start: list\nlist: "[" (list ("," list)*)? "]"',
-    }
-    constraint = StructuredOutput(structural_tag=json.dumps(_tag(lark)))
+LARK_JSON = """?start: value
+?value: dict | list | ESCAPED_STRING | SIGNED_NUMBER | "true" | "false" | "null"
+list: "[" [value ("," value)*] "]"
+dict: "{" [pair ("," pair)*] "}"
+pair: ESCAPED_STRING ":" value
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS"""
+
+
+@pytest.mark.parametrize(
+    "lark", ['start: list\nlist: "[" (list ("," list)*)? "]"', LARK_JSON], ids=["list", "JSON"]
+)
+def test_a_lark_grammar_s_repeats_pass(llms: dict[bool, LLM], lark: str) -> None:
+    """Lark prints `*` as a count (`list_repeat{0, -1}`), EBNF as recursion: read alike, once
+    (Lark's JSON example, whitespace ignored throughout: 0.3 ms a mask)."""
+    part = {"type": "grammar", "syntax": "lark", "grammar": lark}
+    constraint = StructuredOutput(structural_tag=json.dumps(_tag(part)))
     params = SamplingParams(max_tokens=4, structured=constraint)
-    assert llms[True].generate(["a"], params, use_tqdm=False)[0]["text"].startswith("[")
+    assert llms[True].generate(["a"], params, use_tqdm=False)[0]["token_ids"]
 
 
 def test_a_grammar_that_dead_ends_ends_its_request_in_error(llms: dict[bool, LLM]) -> None:

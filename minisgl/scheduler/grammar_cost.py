@@ -413,7 +413,7 @@ def _linear(rule: _Rule, name: str, parts: dict[str, Part]) -> Part | None:
         else:
             if repeats and ends:
                 each = _part(repeats, parts, set(), _UNKNOWN)
-                body = replace(repeated(each, 0, None), splits=each.splits)  # counted once
+                body = _counted_once(each, 0)
                 rest = _part(ends, parts, set(), _UNKNOWN)
                 return in_sequence([body, rest] if end == -1 else [rest, body])
     return None
@@ -428,10 +428,22 @@ def _part(rule: _Rule, parts: dict[str, Part], cycle: set[str], recursion: Part)
             if isinstance(item, Part):
                 pieces.append(item)
             elif item.rule not in cycle:
-                pieces.append(repeated(parts.get(item.rule, _UNKNOWN), item.low, item.high))
+                part = parts.get(item.rule, _UNKNOWN)
+                if item.high is None and item.low <= 1:  # a `*` or `+` as a count (Lark's print)
+                    pieces.append(_counted_once(part, item.low))
+                else:
+                    pieces.append(repeated(part, item.low, item.high))
             elif item.high == 1 or (item.high is None and item.low <= 1):
                 pieces.append(recursion)  # a `*` or `+` as a count (Lark's print): counted once
             else:
                 pieces.append(replace(recursion, splits=MAX_SPLITS + 1))
         alternatives.append(in_sequence(pieces))
     return either(alternatives)
+
+
+def _counted_once(part: Part, low: int) -> Part:
+    """The part `low` (0 or 1) or more times, as xgrammar prints EBNF's `*` and `+`: recursion,
+    counted once (its cost grows with the output), however it is printed; a part that may match
+    nothing stays past any bound."""
+    each = repeated(part, low, None)
+    return each if part.shortest == 0 and part.longest != 0 else replace(each, splits=part.splits)
