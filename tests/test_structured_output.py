@@ -367,6 +367,7 @@ SPLITS = [
     # xgrammar reads `\N{...}` as its letters (1.93 s a mask), `[^]` as any character (6.54 s)
     (r"([a-z][\N{latin capital letter a with circumflex and hook above}]{0,4}){1,64}", 33),
     ("x[^]([a-z]{1,5}){1,64}]", 33),
+    ("x((?=a)[a-z]?){0,2}", 33),  # xgrammar matches a lookahead as nothing, as `([a-z]?){0,2}`
 ]  # fmt: skip
 
 
@@ -461,6 +462,12 @@ GRAMMAR_SPLITS = [
     ('root ::= "[" (item (", " item){0,63})? "]"\nitem ::= "\'" [^\'\\\\]* "\'"', 1),
     ('root ::= "[" ws (str (ws "," ws str){0,59})? ws "]"\n'
      'str ::= "\\"" ([^"\\\\] | "\\\\" ["\\\\/bfnrtu])* "\\""\nws ::= [ ]?', 1),
+    # counts over a rule of a cycle that may match nothing (its cycle had read it as not): the
+    # first took over 24 s a mask
+    ('root ::= "x" z{0,16} z{0,2}\nz ::= y{1,}\ny ::= x x\nx ::= "(" y ")" | [a-z] | ""', 33),
+    ('root ::= "x" y{0,5} y{0,5}\ny ::= x x\nx ::= "(" y ")" | [a-z] | ""', 33),
+    # xgrammar matches a lookahead as nothing: 2.56 s a mask by step 15
+    ('root ::= "x" r{0,} r{0,}\nr ::= Regex("(?=a)[a-z]?")', 33),
 ]  # fmt: skip
 
 

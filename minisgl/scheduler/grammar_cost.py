@@ -96,9 +96,10 @@ def splits(grammar: Any) -> int:
         rules = _read(str(grammar))
     except _Unread:
         return MAX_SPLITS + 1
-    if _empty_cycle(rules):
+    nullable = _nullable(rules)
+    if _empty_cycle(rules, nullable):
         return MAX_SPLITS + 1
-    return max(part.splits for part in _parts(rules).values())
+    return max(part.splits for part in _parts(rules, nullable).values())
 
 
 def _read(printed: str) -> dict[str, _Rule]:
@@ -296,10 +297,9 @@ def _nullable(rules: dict[str, _Rule]) -> set[str]:
     return nullable
 
 
-def _empty_cycle(rules: dict[str, _Rule]) -> bool:
+def _empty_cycle(rules: dict[str, _Rule], nullable: set[str]) -> bool:
     """Some rule may derive itself with nothing else matched (`r ::= [a-z]? r | ""`, `x ::= x x
     | ""`): the matcher follows every number of times round."""
-    nullable = _nullable(rules)
 
     def empty(item: _Item) -> bool:
         if isinstance(item, Part):
@@ -366,11 +366,11 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _parts(rules: dict[str, _Rule]) -> dict[str, Part]:
+def _parts(rules: dict[str, _Rule], nullable: set[str]) -> dict[str, Part]:
     """Each rule's Part, the rules it names first. A rule that names itself only at one end of its
     alternatives is the repetition it prints (`r ::= x r | ""` is `x*`, counted once); otherwise
     within a cycle a rule of the cycle is taken as repeating any of the cycle's atoms (a count
-    over one: past any bound)."""
+    over one: past any bound), and as matching nothing where one of them may."""
     named = {name: {ref.rule for ref in _refs(rules, name)} for name in rules}
     parts: dict[str, Part] = {}
     for cycle in _cycles(named):
@@ -386,11 +386,12 @@ def _parts(rules: dict[str, _Rule]) -> dict[str, Part]:
                     if known is not None:
                         atoms |= known.firsts | known.later
         # a rule of the cycle costs what the costliest rule of it does, found in a second pass
-        recursion = any_text(1, atoms=atoms)
+        recursion = any_text(0 if members & nullable else 1, atoms=atoms)
         for _ in range(2 if len(cycle) > 1 or cycle[0] in named[cycle[0]] else 1):
             found = {name: _part(rules[name], parts, members, recursion) for name in cycle}
             recursion = replace(recursion, splits=max(p.splits for p in found.values()))
-        parts.update(found)
+        # read with the stand-in, a rule that may match nothing may seem not to
+        parts.update({n: replace(p, shortest=0) if n in nullable else p for n, p in found.items()})
     return parts
 
 
@@ -433,8 +434,10 @@ def _part(rule: _Rule, parts: dict[str, Part], cycle: set[str], recursion: Part)
                     pieces.append(_counted_once(part, item.low))
                 else:
                     pieces.append(repeated(part, item.low, item.high))
-            elif item.high == 1 or (item.high is None and item.low <= 1):
-                pieces.append(recursion)  # a `*` or `+` as a count (Lark's print): counted once
+            elif item.high == 1:
+                pieces.append(recursion)
+            elif item.high is None and item.low <= 1:  # a `*` or `+` as a count (Lark's print)
+                pieces.append(_counted_once(recursion, item.low))
             else:
                 pieces.append(replace(recursion, splits=MAX_SPLITS + 1))
         alternatives.append(in_sequence(pieces))

@@ -150,6 +150,7 @@ class _Reader:
         char = self.text[self.i]
         self.i += 1
         if char == "(":
+            lookaround = self.text.startswith(("?=", "?!", "?<=", "?<!"), self.i)
             if self.text.startswith("?", self.i):  # (?:...), (?=...), (?<=...), (?<name>...)
                 self.i += 1
                 if match := _GROUP_NAME.match(self.text, self.i):
@@ -162,7 +163,7 @@ class _Reader:
             inner = self.alternatives()
             self.depth -= 1
             self.i += 1  # the closing parenthesis
-            return inner
+            return EMPTY if lookaround else inner  # xgrammar matches a lookaround as nothing
         if char in "^$":
             return EMPTY
         if char == "\\":
