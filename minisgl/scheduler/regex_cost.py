@@ -87,10 +87,9 @@ def too_costly(pattern: str) -> str | None:
 
 def splits(pattern: str) -> int:
     """The product of the counts of repetitions of parts of varying length (but those whose copies
-    split one way only),
-    nested or in sequence (the largest over alternatives), up to MAX_SPLITS + 1; 1 for a pattern
-    with none, MAX_SPLITS + 1 for groups nested past _MAX_DEPTH. A pattern xgrammar cannot read
-    gets some number: its own error comes when it compiles."""
+    split one way only), nested or in sequence (the largest over alternatives), up to MAX_SPLITS
+    + 1; 1 for a pattern with none, MAX_SPLITS + 1 for groups nested past _MAX_DEPTH. A pattern
+    xgrammar cannot read gets some number: its own error comes when it compiles."""
     return regex_part(pattern).splits
 
 
