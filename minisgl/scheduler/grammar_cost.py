@@ -428,18 +428,14 @@ def _part(rule: _Rule, parts: dict[str, Part], cycle: set[str], recursion: Part)
         for item in sequence:
             if isinstance(item, Part):
                 pieces.append(item)
-            elif item.rule not in cycle:
-                part = parts.get(item.rule, _UNKNOWN)
-                if item.high is None and item.low <= 1:  # a `*` or `+` as a count (Lark's print)
-                    pieces.append(_counted_once(part, item.low))
-                else:
-                    pieces.append(repeated(part, item.low, item.high))
-            elif item.high == 1:
-                pieces.append(recursion)
-            elif item.high is None and item.low <= 1:  # a `*` or `+` as a count (Lark's print)
-                pieces.append(_counted_once(recursion, item.low))
-            else:
+                continue
+            part = recursion if item.rule in cycle else parts.get(item.rule, _UNKNOWN)
+            if item.high is None and item.low <= 1:  # a `*` or `+` as a count (Lark's print)
+                pieces.append(_counted_once(part, item.low))
+            elif item.rule in cycle and item.high != 1:  # a count over a rule of its own cycle
                 pieces.append(replace(recursion, splits=MAX_SPLITS + 1))
+            else:
+                pieces.append(repeated(part, item.low, item.high))
         alternatives.append(in_sequence(pieces))
     return either(alternatives)
 
