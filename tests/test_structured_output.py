@@ -27,7 +27,7 @@ from minisgl.messages import AddRequests
 from minisgl.scheduler import grammar_cost
 from minisgl.scheduler.grammar import Grammars
 from minisgl.scheduler.regex_cost import MAX_SPLITS, regex_part, splits, too_costly
-from minisgl.scheduler.unenforced import repeats_past_limit, unenforced_keyword
+from minisgl.scheduler.unenforced import misread_in_regex, repeats_past_limit, unenforced_keyword
 from minisgl.tokenizer.loader import load_tokenizer
 from minisgl.utils import DEFAULT_MODEL_PATH
 
@@ -772,6 +772,13 @@ REFUSED = [
      "#/$ref to other than a JSON pointer in this document", '"x"', False),
     ({"$ref": "#/$defs/a", "$defs": {"a": {"$dynamicRef": "#/$defs/b"}, "b": {"type": "integer"}}},
      "#/$defs/a/$dynamicRef", '"x"', False),
+    # no value matches an empty anyOf or oneOf: xgrammar's grammar ends at once
+    ({"anyOf": []}, "#/anyOf of no schema", "", False),
+    ({"type": "object", "properties": {"a": {"oneOf": []}}, "required": ["a"]},
+     "#/properties/a/oneOf of no schema", '{"a": }', False),
+    # an anchor xgrammar ignores where it matters
+    ({"type": "string", "pattern": "a^b"}, "#/pattern: ^ where text may come before it",
+     '"ab"', False),
     ({"$ref": "#/$defs/x", "$defs": {"x": {"$id": "http://e/x", "$ref": "#/$defs/y",
                                            "$defs": {"y": {"type": "string"}}},
                                      "y": {"type": "integer"}}},
@@ -841,6 +848,42 @@ def test_a_type_that_names_no_type_is_refused_and_the_engine_serves_on(
         llm.generate(["a"], params, use_tqdm=False)
     assert llm.generate(["c"], SamplingParams(max_tokens=4), use_tqdm=False)[0]["token_ids"]
     llm.scheduler.check_integrity()
+
+
+# each with a text Python's fullmatch and xgrammar's grammar judge apart
+MISREAD_REGEXES = [
+    ("a^b", "^ where text may come before it", "ab"),
+    ("x(a|^b)", "^ where text may come before it", "xb"),
+    ("a?^b", "^ where text may come before it", "ab"),
+    ("(^a)*", "^ where text may come before it", "aa"),
+    ("a$b", "$ where text may follow it", "ab"),
+    ("(a|b$)c", "$ where text may follow it", "bc"),
+    ("(a$)+", "$ where text may follow it", "aa"),
+    ("a\\Z", "the escape \\Z, which xgrammar reads as its letter", "a"),
+    ("\\Aa", "the escape \\A, which xgrammar reads as its letter", "a"),
+]
+
+
+@pytest.mark.parametrize(("regex", "found", "text"), MISREAD_REGEXES)
+def test_a_regex_xgrammar_reads_otherwise_is_refused(
+    llms: dict[bool, LLM], regex: str, found: str, text: str
+) -> None:
+    """It was compiled, and the output held to xgrammar's reading: `a^b` gave "ab"."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    grammar = xgrammar.Grammar.from_regex(regex)
+    assert _is_grammar_accept_string(grammar, text) != (re.fullmatch(regex, text) is not None)
+    params = SamplingParams(max_tokens=5, structured=StructuredOutput(regex=regex))
+    with pytest.raises(ValueError, match=re.escape(f"a regex with {found}")):
+        llms[True].generate(["a"], params, use_tqdm=False)
+
+
+def test_anchors_where_they_hold_anyway_pass() -> None:
+    for regex in ("^ab$", "(^a|b)c", "ab|^c", "^(a|b)+$", "a$|b", "(?:^a)", "(a$)?", "a\\\\z"):
+        assert misread_in_regex(regex) is None, regex
+    for letter in "zhUN":  # PCRE's and Python's escapes xgrammar reads as the letter
+        assert misread_in_regex(f"a\\{letter}") is not None, letter
 
 
 def test_repetition_counts_in_classes_strings_and_comments_are_text() -> None:

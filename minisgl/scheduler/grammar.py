@@ -22,7 +22,12 @@ import numpy as np
 from minisgl.core import StructuredOutput
 from minisgl.scheduler import grammar_cost, regex_cost
 from minisgl.scheduler.regex_cost import MAX_REGEX_LENGTH
-from minisgl.scheduler.unenforced import MAX_COUNT, repeats_past_limit, unenforced_keyword
+from minisgl.scheduler.unenforced import (
+    MAX_COUNT,
+    misread_in_regex,
+    repeats_past_limit,
+    unenforced_keyword,
+)
 
 CACHED_GRAMMARS = 256  # compiled constraints kept for reuse, least recently used dropped first
 COMPILE_THREADS = 4
@@ -330,6 +335,8 @@ def _refuse_unenforced(
     if any(isinstance(t, str) and repeats_past_limit(t, ebnf) for t, ebnf in texts):
         raise ValueError(f"invalid structured output: a repetition count past {MAX_COUNT}")
     for regex in regexes:
+        if isinstance(regex, str) and (why := misread_in_regex(regex)) is not None:
+            raise ValueError(f"invalid structured output: a regex with {why}")
         if isinstance(regex, str) and (why := regex_cost.too_costly(regex)) is not None:
             raise ValueError(f"invalid structured output: a regex {why}")
     for grammar in grammars:

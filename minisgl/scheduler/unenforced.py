@@ -4,7 +4,12 @@ constraint is refused (a ValueError, a 400 to a client), as vLLM's xgrammar back
 so is a pattern too costly to match (regex_cost)."""
 
 import json
+import re
 import string
+
+# Python's own reading of a regex, against which xgrammar's is checked
+from re import _constants as sre
+from re import _parser as sre_parser
 from typing import Any
 
 from minisgl.scheduler.regex_cost import COUNT, too_costly
@@ -50,6 +55,10 @@ _INT64 = 2**63
 # written in JSON, so one that names a quote, a backslash or a control character (`\x22`, `\n`)
 # lets through what is no JSON, and one with a character past ASCII drops its exclusion of them
 _SAFE_ESCAPES = frozenset("dDwWsSbB" + "".join(c for c in string.punctuation if c not in '"\\'))
+# escapes xgrammar reads as the letter itself, with a warning: `\Z`, `\A` (Python's anchors), `\z`,
+# `\h`, `\U0001F600`, `\N{DASH}`, ...
+_LETTER_ESCAPES = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTUVXYZ")
+_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)
 
 
 def unenforced_keyword(schema: Any, path: str) -> str | None:
@@ -82,6 +91,8 @@ def _combined(schema: dict[str, Any]) -> str | None:
     """Keywords xgrammar never holds, or drops beside others; references it resolves wrongly."""
     if never := next((k for k in _NEVER if k in schema and schema[k] is not False), None):
         return never
+    if empty := next((k for k in ("anyOf", "oneOf") if schema.get(k) == []), None):
+        return f"{empty} of no schema (no value matches it)"
     holding = [k for k in _HOLDING if k in schema and not (k == "type" and _typed_alike(schema))]
     combining = [k for k in _COMBINING if k in schema]
     if len(combining) > 1 or (combining and holding):
@@ -164,6 +175,51 @@ def _of_strings(schema: dict[str, Any]) -> str | None:
             return f"pattern: {found}"
         if (found := _unsafe_in_pattern(pattern)) is not None:
             return f"pattern: {found} in a JSON string's pattern"
+        if (found := misread_in_regex(pattern)) is not None:
+            return f"pattern: {found}"
+    return None
+
+
+def misread_in_regex(pattern: str) -> str | None:
+    """What xgrammar reads otherwise than Python in a regex: an escape it reads as a letter, `^`
+    where text may come before it or `$` where text may follow (it ignores them there: Python's
+    `a^b` matches nothing, xgrammar's "ab"); None if nothing."""
+    i = 0
+    while (i := pattern.find("\\", i)) >= 0:
+        if pattern[i + 1 : i + 2] in _LETTER_ESCAPES:
+            return f"the escape {pattern[i : i + 2]}, which xgrammar reads as its letter"
+        i += 2
+    try:
+        parsed = sre_parser.parse(pattern)
+    except (re.error, RecursionError, OverflowError):  # xgrammar's own error, or its own reading
+        return None
+    return _misread_anchor(parsed, text_before=False, text_after=False)
+
+
+def _misread_anchor(sequence: Any, text_before: bool, text_after: bool) -> str | None:
+    """An anchor of Python's parsed sequence that text may come before (`^`) or after (`$`),
+    given whether text may come before and after the sequence."""
+    items = list(sequence)
+    widths = [sre_parser.SubPattern(sequence.state, [item]).getwidth()[1] for item in items]
+    for i, (op, value) in enumerate(items):
+        before, after = text_before or any(widths[:i]), text_after or any(widths[i + 1 :])
+        inner: list[tuple[Any, bool, bool]] = []
+        if op is sre.AT and value is sre.AT_BEGINNING and before:
+            return "^ where text may come before it (xgrammar ignores it there)"
+        if op is sre.AT and value is sre.AT_END and after:
+            return "$ where text may follow it (xgrammar ignores it there)"
+        if op is sre.BRANCH:
+            inner = [(option, before, after) for option in value[1]]
+        elif op is sre.SUBPATTERN:
+            inner = [(value[3], before, after)]
+        elif op is sre.ATOMIC_GROUP:
+            inner = [(value, before, after)]
+        elif op in _REPEATS:
+            again = value[1] > 1 and widths[i] > 0  # the other copies come before and after
+            inner = [(value[2], before or again, after or again)]
+        for part, part_before, part_after in inner:
+            if (found := _misread_anchor(part, part_before, part_after)) is not None:
+                return found
     return None
 
 
