@@ -8,7 +8,6 @@ from the end of its thinking (`thinking_server`), where a `</think>` forced by l
 the random weights' thinking."""
 
 import json
-import re
 from typing import Any
 
 import jsonschema
@@ -18,7 +17,6 @@ import xgrammar
 from minisgl.core import SamplingParams
 from minisgl.messages import TokenizeRequest, decode, encode
 from minisgl.server.cli import parse_args
-from minisgl.server.errors import ApiError
 from minisgl.server.protocol import ChatCompletionRequest
 from minisgl.server.tool_parser import HermesToolParser
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
@@ -401,31 +399,42 @@ def _tool(name: str, parameters: dict) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
 
-def test_required_calls_keep_the_tools_definitions_where_their_references_point() -> None:
-    """As vLLM's: every tool's $defs move to the root of the array's schema (pydantic writes a
-    nested model so); two tools that define one name differently are a 400."""
+def test_required_calls_keep_the_tools_references_where_they_point() -> None:
+    """Each tool's parameters stand inside the array's schema, their references into themselves
+    (`#/$defs/...` as pydantic writes a nested model, `#`, `#/properties/...`) pointing there: two
+    tools may define one name differently. `#` bound to the array before, and the arguments of a
+    recursive tool broke its parameters."""
     location = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     at = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "required": ["at"],
           "$defs": {"Loc": location}}  # fmt: skip
-    tools = [_tool("go", at), _tool("stay", {**at, "$defs": {"Loc": location}})]
+    stay = {**at, "$defs": {"Loc": {"type": "integer"}}}
+    tree = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"},
+                                                          "maxItems": 1},
+                                             "same": {"$ref": "#/properties/children"}},
+            "required": ["children"], "additionalProperties": False}  # fmt: skip
+    tools = [_tool("go", at), _tool("stay", stay), _tool("tree", tree)]
     request = ChatCompletionRequest(messages=QUESTION, tools=tools, tool_choice="required")
     schema = json.loads(request.sampling_params({}).structured.json_schema)
-    xgrammar.Grammar.from_json_schema(json.dumps(schema))  # the references resolve
-    jsonschema.validate([{"name": "go", "parameters": {"at": {"city": "Paris"}}}], schema)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate([{"name": "go", "parameters": {"at": {"town": "Paris"}}}], schema)
-    clash = _tool("stay", {**at, "$defs": {"Loc": {"type": "integer"}}})
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    for calls, valid in [
+        ([{"name": "go", "parameters": {"at": {"city": "Paris"}}}], True),
+        ([{"name": "go", "parameters": {"at": 3}}], False),
+        ([{"name": "stay", "parameters": {"at": 3}}], True),
+        ([{"name": "stay", "parameters": {"at": {"city": "Paris"}}}], False),
+        ([{"name": "tree", "parameters": {"children": [{"children": []}], "same": []}}], True),
+        ([{"name": "tree", "parameters": {"children": [[{"name": "tree"}]]}}], False),
+        ([{"name": "tree", "parameters": {"children": [], "same": [{"name": "go"}]}}], False),
+    ]:
+        assert jsonschema.Draft202012Validator(schema).is_valid(calls) == valid, calls
+        text = json.dumps(calls)
+        assert xgrammar.testing._is_grammar_accept_string(grammar, text) == valid, text
+    # a value that holds "$ref" is no reference
+    const = {"type": "object", "properties": {"r": {"const": {"$ref": "#"}}}}
     request = ChatCompletionRequest(
-        messages=QUESTION, tools=[tools[0], clash], tool_choice="required"
+        messages=QUESTION, tools=[_tool("c", const)], tool_choice="required"
     )
-    with pytest.raises(ApiError, match=r"tools define \$defs/Loc differently"):
-        request.sampling_params({})
-    for key, value in [("$defs", "x"), ("definitions", [1])]:  # an AttributeError's 500 before
-        request = ChatCompletionRequest(
-            messages=QUESTION, tools=[_tool("go", {**at, key: value})], tool_choice="required"
-        )
-        with pytest.raises(ApiError, match=re.escape(f"parameters.{key} must be an object")):
-            request.sampling_params({})
+    schema = json.loads(request.sampling_params({}).structured.json_schema)
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == const
 
 
 def test_client_json_keys_cross_the_wire_unchanged() -> None:

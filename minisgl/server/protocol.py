@@ -454,6 +454,34 @@ def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
 
 
+# a JSON schema's keywords whose values are values, not schemas (a "$ref" there is data), and
+# those whose values map names to schemas (any name, "enum" too)
+_VALUE_KEYWORDS = frozenset(("enum", "const", "default", "examples"))
+_NAMED_SCHEMAS = frozenset(
+    ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+)
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """A JSON schema whose references into itself (`#`, `#/...`) point into it where it stands at
+    the JSON pointer `base` of a larger schema."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            rebased[key] = base + value[1:]
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            rebased[key] = {name: _rebased(sub, base) for name, sub in value.items()}
+        elif key in _VALUE_KEYWORDS:
+            rebased[key] = value
+        else:
+            rebased[key] = _rebased(value, base)
+    return rebased
+
+
 class TokenizeBody(_Body):
     """POST /tokenize, as vLLM's: a prompt, or messages rendered with the chat template, with the
     tools and the template's own variables a chat request would give it (its prompt's count)."""
@@ -561,30 +589,20 @@ class ChatCompletionRequest(_GenerateRequest):
             return next(t.function.schema() for t in tools if t.function.name == name)
         if mode != "required":
             return None
-        # each tool's definitions move to the root, where their references point
-        definitions: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
-        calls = []
-        for t in tools:
-            parameters = dict(t.function.schema())
-            for key, found in definitions.items():
-                if not isinstance(defined := parameters.pop(key, {}), dict):
-                    raise ApiError(
-                        400, f"a tool's parameters.{key} must be an object", param="tools"
-                    )
-                for name, definition in defined.items():
-                    if found.setdefault(name, definition) != definition:
-                        raise ApiError(400, f"tools define {key}/{name} differently", param="tools")
-            calls.append(
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"type": "string", "enum": [t.function.name]},
-                        "parameters": parameters,
-                    },
-                    "required": ["name", "parameters"],
-                    "additionalProperties": False,
-                }
-            )
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    # its references into itself point where it now stands
+                    "parameters": _rebased(
+                        t.function.schema(), f"#/items/anyOf/{i}/properties/parameters"
+                    ),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for i, t in enumerate(tools)
+        ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        schema |= {key: found for key, found in definitions.items() if found}
         return schema if self.parallel else {**schema, "maxItems": 1}
