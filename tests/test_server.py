@@ -511,6 +511,16 @@ def test_completions_default_max_tokens_is_bounded_by_the_context(server: Server
     assert server.post("/v1/completions", json={**long, "max_tokens": 16}).status_code == 400
 
 
+def test_chat_min_tokens_past_the_room_left_is_a_400(server: ServerProcess) -> None:
+    """A chat's omitted max_tokens is the rest of the context: a min_tokens past it cannot be
+    met (it ended at the context's end with a 200 before), as for completions and in vLLM."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+    refused = server.post("/v1/chat/completions", json={**chat, "min_tokens": 3000})
+    assert refused.status_code == 400 and "fewer than min_tokens" in refused.text, refused.text
+    served = server.post("/v1/chat/completions", json={**chat, "min_tokens": 5, "max_tokens": 8})
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] >= 5
+
+
 def test_tokenize_detokenize_version_and_a_model_by_id(
     server: ServerProcess, stories_llm: LLM
 ) -> None:

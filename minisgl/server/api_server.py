@@ -299,7 +299,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(
             client.new_rids(body.n), choices, messages=messages, tools=template_tools(body.tools),
-            template_kwargs=body.chat_template_kwargs,
+            template_kwargs=body.chat_template_kwargs, default_max_tokens=params.max_tokens is None,
             max_prompt_logprobs=args.limits.max_prompt_logprobs,
         )  # fmt: skip
         return await generate(
