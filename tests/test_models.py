@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen2Config, Qwen3MoeConfig
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3MoeConfig
 
 from minisgl import LLM, SamplingParams
 from minisgl.config import ConfigError, EngineConfig
@@ -328,4 +328,21 @@ def test_qwen2s_window_caps_the_context_only_if_a_layer_slides(
         max_window_layers=max_window_layers, max_position_embeddings=4096,
     )  # fmt: skip
     config.architectures = ["Qwen2ForCausalLM"]
+    assert ModelConfig.from_hf(config).max_position_embeddings == positions
+
+
+@pytest.mark.parametrize(
+    ("config", "positions"),
+    [
+        # Hugging Face's Mistral slides whatever use_sliding_window says (it was left uncapped)
+        (MistralConfig(sliding_window=256, use_sliding_window=False), 256),
+        (Qwen2Config(sliding_window=256, use_sliding_window=False), 4096),
+        # its generate caches Llama 4's attention chunks as a window (it was left uncapped)
+        (LlamaConfig(attention_chunk_size=128), 128),
+        (LlamaConfig(attention_chunk_size=512, sliding_window=256), 256),
+    ],
+)
+def test_the_span_hugging_face_attends_over_caps_the_context(config, positions: int) -> None:
+    config.max_position_embeddings = 4096
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     assert ModelConfig.from_hf(config).max_position_embeddings == positions
