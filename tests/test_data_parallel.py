@@ -1,6 +1,6 @@
-"""--dp: replicas behind the real sglang-router, as real processes (`python -m minisgl --dp 2`)
-driven by real clients (`openai`, httpx): concurrent load reaches every replica, the router reads
-what it needs from each, its cache-aware policy keeps a prompt prefix on one replica (a higher
+"""--dp: replicas behind the real vllm-router, as real processes (`python -m minisgl --dp 2`)
+driven by real clients (`openai`, httpx): concurrent load reaches every replica, the router
+forwards each body as sent, its cache-aware policy keeps a prompt prefix on one replica (a higher
 prefix-cache hit rate than round robin), and a killed replica fails only its own streams in
 flight while the others serve on."""
 
@@ -17,8 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .server_process import ServerProcess, process_name, read_metrics, wait_for
 
@@ -85,26 +83,39 @@ def test_64_concurrent_clients_are_served_by_both_replicas(server: ServerProcess
     assert sum(served) == 64 and min(served) > 0, served
 
 
-def test_the_router_reads_model_and_settings_from_each_replica(server: ServerProcess) -> None:
-    """/health is open (the router's health checks send no key); /model_info and /server_info
-    need the key, which the router sends; it serves the replicas' model name and loads its
-    tokenizer from their model path."""
+def test_the_router_forwards_each_body_as_sent(server: ServerProcess) -> None:
+    """/health is open (the router's health checks send no key), the rest needs the key, which
+    the router checks and sends. A chat's fields reach the replicas as sent: sglang-router wrote
+    chat bodies anew from its own fields, and a structured output, prompt_logprobs or
+    include_stop_str_in_output was dropped (a 200 of free text), a bad one too, as any field
+    the replicas refuse."""
     for url in _replica_urls(server):
         assert httpx.get(url + "/health").status_code == 200
-        assert httpx.get(url + "/model_info").status_code == 401
-        model = httpx.get(url + "/model_info", headers=server.headers).json()
-        assert model["model_path"] == model["tokenizer_path"] == str(DEFAULT_MODEL_PATH)
-        assert model["is_generation"] and model["architectures"] == ["LlamaForCausalLM"]
-        info = httpx.get(url + "/server_info", headers=server.headers)
-        assert info.json()["served_model_name"] == MODEL and info.json()["dp_size"] == 1
-        assert API_KEY not in info.text
+        assert httpx.get(url + "/v1/models").status_code == 401
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 1}
     assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401  # the router's
     models = httpx.get(server.url + "/v1/models", headers=server.headers).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
-    tokenizers = httpx.get(server.url + "/v1/tokenizers", headers=server.headers).json()
-    [tokenizer] = tokenizers["tokenizers"]
-    assert tokenizer["name"] == MODEL and tokenizer["source"] == str(DEFAULT_MODEL_PATH)
+
+    def chat(**fields) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 12, "temperature": 0, **fields}  # fmt: skip
+        return httpx.post(
+            server.url + "/v1/chat/completions", json=body, headers=server.headers, timeout=60
+        )
+
+    def content(reply: httpx.Response) -> str:
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]["content"]
+
+    assert re.fullmatch("[0-9]{5}", content(chat(structured_outputs={"regex": "[0-9]{5}"})))
+    assert content(chat(guided_choice=["yes", "no"])) in ("yes", "no")
+    held = content(chat(stop=[" and"], include_stop_str_in_output=True))
+    assert held.endswith(" and") and held == content(chat(stop=[" and"])) + " and"
+    assert chat(prompt_logprobs=1).json()["prompt_logprobs"]
+    for bad in ({"structured_outputs": {"regex": "("}}, {"no_such_field": 1}):
+        reply = chat(**bad)
+        assert reply.status_code == 400 and reply.json()["error"]["message"], reply.text
 
 
 def test_clients_bad_requests_leave_the_replicas_serving(server: ServerProcess) -> None:

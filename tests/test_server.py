@@ -330,7 +330,7 @@ def test_allowed_origins_that_are_no_json_list_are_refused(flag: str) -> None:
 
 
 def test_the_routers_cors_cannot_refuse_every_origin() -> None:
-    with pytest.raises(ValueError, match="sglang-router cannot refuse every origin"):
+    with pytest.raises(ValueError, match="vllm-router cannot refuse every origin"):
         parse_args(["--dp", "2", "--allowed-origins", "[]"])
 
 

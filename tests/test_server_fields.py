@@ -145,13 +145,14 @@ def test_min_tokens_with_a_stop_id_past_the_vocabulary_is_served(server: ServerP
     assert _text(server, max_tokens=2).text
 
 
-# what sglang-router writes into every body it forwards (test_data_parallel.py serves through it)
+# what vllm-router writes into every body it forwards (test_data_parallel.py serves through it)
 SGLANG_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False}
 SGLANG_CHAT_FIELDS = {
     **SGLANG_FIELDS,
     "continue_final_message": False,
     "separate_reasoning": True,
     "stream_reasoning": True,
+    "include_reasoning": True,
 }
 
 

@@ -51,7 +51,6 @@ from .protocol import (
 from .reasoning import REASONING_PARSERS
 from .responses import ChatFormat, CompletionFormat, ReplyParser, json_response
 from .tool_parser import TOOL_PARSERS, JsonArrayToolParser, NamedToolParser, ToolParser
-from .worker_info import model_info, server_info
 
 # routes open without the API key: what load balancers and monitoring probe
 _OPEN_ROUTES = ("/health", "/metrics")
@@ -219,17 +218,6 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
     async def model_by_id(model: str) -> Response:
         check_model(model)
         return json_response(model_card(model))
-
-    # read by sglang-router in front of --dp replicas; fixed for the server's life
-    worker_model_info, worker_server_info = model_info(args), server_info(args)
-
-    @app.get("/model_info")
-    async def get_model_info() -> Response:
-        return json_response(worker_model_info)
-
-    @app.get("/server_info")
-    async def get_server_info() -> Response:
-        return json_response(worker_server_info)
 
     @app.get("/version")
     async def version() -> Response:

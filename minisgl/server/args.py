@@ -7,7 +7,7 @@ from .limits import RequestLimits
 from .reasoning import REASONING_PARSERS
 from .tool_parser import TOOL_PARSERS
 
-# sglang-router's policies that need nothing more from a worker than minisgl serves
+# vllm-router's policies that need nothing more from a worker than minisgl serves
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random")
 # the scheduler's heartbeat and idle loop come every 0.5 s: a shorter limit fails a healthy server
 MIN_HEALTH_TIMEOUT_S = 1.0
@@ -39,8 +39,8 @@ class ServerArgs:
     log_level: str = "info"
     node_rank: int = 0  # which of engine.nnodes machines this is; node 0 serves the API
     dist_init_addr: str | None = None  # HOST:PORT where node 0 meets the others (TCP)
-    dp_size: int = 1  # replicas behind sglang-router; 1: one server, no router
-    router_policy: str = "cache_aware"  # how sglang-router picks a replica for a request
+    dp_size: int = 1  # replicas behind vllm-router; 1: one server, no router
+    router_policy: str = "cache_aware"  # how vllm-router picks a replica for a request
 
     def __post_init__(self) -> None:
         self._check_nodes()
@@ -67,9 +67,7 @@ class ServerArgs:
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, not {self.dp_size}")
         if self.dp_size > 1 and not self.allowed_origins:
-            raise ValueError(
-                "--dp: sglang-router cannot refuse every origin (--allowed-origins [])"
-            )
+            raise ValueError("--dp: vllm-router cannot refuse every origin (--allowed-origins [])")
         for flag, name, known in [
             ("--tool-call-parser", self.tool_call_parser, TOOL_PARSERS),
             ("--reasoning-parser", self.reasoning_parser, REASONING_PARSERS),

@@ -57,8 +57,8 @@ _HELP = {
     "dist_init_addr": "HOST:PORT of node 0 where the ranks meet (torch.distributed over TCP; "
     "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME pick the network interface)",
     "dp": "data-parallel replicas, each a whole server on a port, GPUs and CPU cores of its own, "
-    "behind sglang-router on --host/--port (pip install 'minisgl[router]')",
-    "router_policy": "how sglang-router picks a replica for a request (with --dp); cache_aware: "
+    "behind vllm-router on --host/--port (pip install 'minisgl[router]')",
+    "router_policy": "how vllm-router picks a replica for a request (with --dp); cache_aware: "
     "the one that served the longest prefix of its prompt, unless the loads are far apart",
     "page_size": "tokens per KV cache page",
     "max_running_requests": "requests decoded together at most (KV slots)",

@@ -111,7 +111,7 @@ class _Run:
             batch = await asyncio.wait_for(anext(self._batches), left)
         except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
             self.client.abort(self.group)
-            # not a 408 or a 5xx, which sglang-router and OpenAI's client retry: the same
+            # not a 408 or a 5xx, which vllm-router and OpenAI's client retry: the same
             # request would only run to the same limit again
             raise ApiError(
                 400, "the request took longer than the server's --request-timeout",

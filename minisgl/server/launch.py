@@ -10,7 +10,7 @@ other nodes' ranks, which their own launchers start, and which follow rank 0 unt
 
 With --dp N it starts N such servers, the replicas (r0-scheduler-0, r0-tokenizer, r0-api-server,
 r1-...), each on a free port of 127.0.0.1 and on GPUs and CPU cores of its own (placement.py),
-then sglang-router in front of them on --host/--port (router.py). A replica that loses a process
+then vllm-router in front of them on --host/--port (router.py). A replica that loses a process
 is stopped whole and taken out of the router, and the others serve on; the launcher ends when the
 router or the last replica does.
 
@@ -86,7 +86,7 @@ def _base_url(args: ServerArgs) -> str:
 
 
 def _router_bypasses_proxies() -> None:
-    """Have sglang-router, started after this, reach the replicas directly: it honours
+    """Have vllm-router, started after this, reach the replicas directly: it honours
     `http_proxy`, and `no_proxy` (which this adds the replicas' host to)."""
     for name in ("no_proxy", "NO_PROXY"):
         given = [entry for entry in os.environ.get(name, "").split(",") if entry]
@@ -178,7 +178,7 @@ def _start_data_parallel(
         start_child("router", "minisgl.server.router:run_router", args, urls, metrics_port)
     )
 
-    def all_healthy(body: bytes) -> bool:  # sglang-router's /readiness
+    def all_healthy(body: bytes) -> bool:  # vllm-router's /readiness
         return json.loads(body)["healthy_workers"] == args.dp_size
 
     _wait_ready(_base_url(args) + "/readiness", [*_flat(replicas), *router], all_healthy)
@@ -312,7 +312,7 @@ def launch(args: ServerArgs) -> int:
         else:
             replica_urls, metrics = _start_data_parallel(args, servers, router)
             behind = (
-                f" through sglang-router ({args.router_policy}; its metrics at {metrics}) in "
+                f" through vllm-router ({args.router_policy}; its metrics at {metrics}) in "
                 f"front of replicas at {', '.join(replica_urls)}"
             )
         if defaults := sampling_defaults(args.generation_config, args.engine.model_path):

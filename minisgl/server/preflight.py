@@ -38,8 +38,8 @@ def check_settings(args: ServerArgs) -> None:
 
 
 def _check_data_parallel(args: ServerArgs) -> None:
-    if importlib.util.find_spec("sglang_router") is None:
-        raise ValueError("--dp needs sglang-router: pip install 'minisgl[router]'")
+    if importlib.util.find_spec("vllm_router") is None:
+        raise ValueError("--dp needs vllm-router: pip install 'minisgl[router]'")
     if ":" in args.engine.device:
         raise ValueError("--dp gives each replica GPUs of its own: --device cuda, not one GPU")
     if args.engine.nnodes > 1:

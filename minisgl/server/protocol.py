@@ -206,7 +206,7 @@ class _GenerateRequest(_Body):
     guided_regex: str | None = None
     guided_choice: List[str] | None = None
     guided_grammar: str | None = None
-    # SGLang's own fields, which sglang-router writes into every request it forwards (--dp):
+    # SGLang's own fields, which vllm-router writes into every request it forwards (--dp):
     # accepted with the value that is what minisgl does, refused with any other
     no_stop_trim: Literal[False] = False
     skip_special_tokens: Literal[True] = True
@@ -519,6 +519,7 @@ class ChatCompletionRequest(_GenerateRequest):
     continue_final_message: Literal[False] = False
     separate_reasoning: Literal[True] = True
     stream_reasoning: Literal[True] = True
+    include_reasoning: Literal[True] = True  # vLLM's name for the reasoning in the reply
 
     def sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """An omitted max_tokens means the rest of the context; a given one must fit in it (the

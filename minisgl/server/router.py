@@ -1,17 +1,18 @@
-"""sglang-router (SGLang's router, a Rust binary on PyPI) in front of the --dp replicas: the router
+"""vllm-router (vLLM's router, a Rust binary on PyPI) in front of the --dp replicas: the router
 process's entry point, with its settings from the server's, and the one call the launcher makes
 on it, when a replica has died.
 
-The router calls on each replica what it calls on an SGLang worker: /health (at start, then every
-_HEALTH_INTERVAL_S; a replica failing _HEALTH_FAILURES checks in a row gets no more requests),
-/server_info and /model_info (worker_info.py). A request whose replica cannot be reached or
-answers 408, 429, 500, 502, 503 or 504 is tried again (5 attempts in all, within about half a
-second) on the replica the policy then picks, which may be the same one: a replica that died is
-taken out at once (leave_out) rather than by the health checks, seconds later. A stream that
-broke off is not tried again."""
+It forwards each body as the client sent it, every field (the replica honours or refuses each),
+adding SGLang's own fields (protocol.py takes them). It calls each replica's /health (at start,
+then every _HEALTH_INTERVAL_S; a replica failing _HEALTH_FAILURES checks in a row gets no more
+requests). A request whose replica cannot be reached or answers 408, 429, 500, 502, 503 or 504 is
+tried again (5 attempts in all, within about half a second) on the replica the policy then
+picks, which may be the same one: a replica that died is taken out at once (leave_out) rather
+than by the health checks, seconds later. A stream that broke off is not tried again. On SIGTERM
+it answers what it has forwarded, then exits."""
 
-import json
 import math
+import urllib.parse
 import urllib.request
 
 from .args import ServerArgs
@@ -27,7 +28,7 @@ def run_router(args: ServerArgs, replica_urls: list[str], metrics_port: int) -> 
     """The process entry point: the router on the server's host and port, with its API key (which
     it checks on each request and sends to the replicas, which check it too); serves until
     SIGTERM, then drains."""
-    from sglang_router.launch_router import RouterArgs, launch_router  # the launcher needs none
+    from vllm_router.launch_router import RouterArgs, launch_router  # the launcher needs none
 
     launch_router(
         RouterArgs(
@@ -54,9 +55,7 @@ def run_router(args: ServerArgs, replica_urls: list[str], metrics_port: int) -> 
                 if args.request_timeout is None
                 else math.ceil(args.request_timeout) + 5
             ),
-            # the replicas drain within --shutdown-timeout; the router waits for their answers
-            shutdown_grace_period_secs=int(args.shutdown_timeout) + 1,
-            log_level={"warning": "warn"}.get(args.log_level, args.log_level),
+            log_level=args.log_level,
         )
     )
 
@@ -65,12 +64,8 @@ def leave_out(router_url: str, replica_url: str, api_key: str | None) -> None:
     """Have the router send no more requests to the replica at `replica_url`; raises OSError
     if the router cannot be asked."""
     headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
-    listing = urllib.request.Request(router_url + "/workers", headers=headers)
-    with open_direct(listing, timeout=5) as response:
-        workers = json.load(response)["workers"]
-    for worker in workers:
-        if worker["url"] == replica_url:
-            removal = urllib.request.Request(
-                f"{router_url}/workers/{worker['id']}", headers=headers, method="DELETE"
-            )
-            open_direct(removal, timeout=5).close()
+    query = urllib.parse.urlencode({"url": replica_url})
+    removal = urllib.request.Request(
+        f"{router_url}/remove_worker?{query}", headers=headers, method="POST"
+    )
+    open_direct(removal, timeout=5).close()
