@@ -99,6 +99,10 @@ class LLM:
         with deferred_interrupts():
             return self._worker.step(messages)
 
+    def _check_open(self) -> None:
+        if not self._close.alive:  # its TP group is gone: a collective would fail obscurely
+            raise ValueError("this LLM is closed: it generates no more")
+
     def close(self) -> None:
         """Stop the other TP ranks' processes and leave the TP group (at TP 1: nothing to do).
         Done on garbage collection and at exit too; the LLM generates no more after it."""
@@ -158,6 +162,7 @@ class LLM:
         request's grammar fails to go on; an exception while it runs (that one, Ctrl-C) aborts
         the requests it added and empties the prefix cache (the step it cut off may have
         published pages before writing them)."""
+        self._check_open()
         tokenized = self._tokenize(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = sampling_params or self.get_default_sampling_params()
@@ -216,6 +221,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's `reset_prefix_cache`), on every TP rank."""
+        self._check_open()
         self._step([FlushPrefixCache()])
 
     def chat(

@@ -556,3 +556,27 @@ def test_token_ids_of_any_integer_type_are_a_prompt(stories_llm: LLM) -> None:
     for bad, name in (([1.0, 5], "float"), ([True, 5], "bool")):
         with pytest.raises(ValueError, match=f"must be an integer, not {name}"):
             stories_llm.generate([bad], params, use_tqdm=False)
+
+
+def test_an_eos_as_the_last_allowed_token_ends_at_the_length(stories_llm: LLM) -> None:
+    """As vLLM's and SGLang's: max_tokens is checked before the eos (it ended "stop" before).
+    The embedded model's story ends on its eos after 342 tokens (test_models.py)."""
+    at_eos, past_eos = stories_llm.generate(
+        ["Once upon a time"] * 2,
+        [SamplingParams(temperature=0, max_tokens=n) for n in (342, 343)],
+        use_tqdm=False,
+    )
+    assert len(at_eos["token_ids"]) == len(past_eos["token_ids"]) == 342
+    assert at_eos["finish_reason"] == "length" and at_eos["stop_reason"] is None
+    assert past_eos["finish_reason"] == "stop" and past_eos["stop_reason"] is None
+
+
+def test_a_closed_llm_says_so() -> None:
+    """After close() an LLM generates no more: under TP its group is gone (a ProcessGroup error
+    named no cause), at TP 1 it went on, against its docstring."""
+    llm = LLM(device=DEVICE, dtype="float32", max_kv_tokens=2048)
+    assert llm.generate(["Once"], SamplingParams(max_tokens=2), use_tqdm=False)[0]["token_ids"]
+    llm.close()
+    for call in (lambda: llm.generate(["Once"], use_tqdm=False), llm.reset_prefix_cache):
+        with pytest.raises(ValueError, match="this LLM is closed"):
+            call()
