@@ -272,9 +272,12 @@ def test_a_constrained_reply_is_reasoning_only_in_a_block_it_opens(text: str, wa
         assert _reasoning({}, pieces, constrained=True) == want, pieces
 
 
-def _format(reasoning: bool, tools: Callable[[], Any] | None) -> ChatFormat:
+def _format(
+    reasoning: bool, tools: Callable[[], Any] | None, include_reasoning: bool = True
+) -> ChatFormat:
     return ChatFormat(
-        lambda: ReplyParser(Qwen3ReasoningParser({}) if reasoning else None, tools and tools())
+        lambda: ReplyParser(Qwen3ReasoningParser({}) if reasoning else None, tools and tools()),
+        include_reasoning,
     )
 
 
@@ -296,6 +299,21 @@ def test_a_chat_message_holds_reasoning_content_and_tool_calls() -> None:
         0, Choice(f"<tool_call>{WEATHER[:30]}", end=_end("length")), 0, False, False, True
     )
     assert cut["finish_reason"] == "length"  # type: ignore[index]
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out() -> None:
+    """As vLLM's: the reasoning is still split off the content, and not sent (the field was
+    refused but for true)."""
+    text = "<think>hmm</think>ok"
+    whole = _format(True, None, include_reasoning=False).choice(
+        0, Choice(text, end=_end()), 0, False, False, True
+    )
+    assert whole["message"] == {"role": "assistant", "content": "ok", "reasoning_content": None}  # type: ignore[index]
+    fmt = _format(True, None, include_reasoning=False)
+    chunks = [fmt.choice(0, Choice(c), 0, False, True, i == 0) for i, c in enumerate(text)]
+    deltas = [c["delta"] for c in chunks if c is not None]
+    assert not any("reasoning_content" in d for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas) == "ok"
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["whole", "streamed"])

@@ -152,7 +152,6 @@ SGLANG_CHAT_FIELDS = {
     "continue_final_message": False,
     "separate_reasoning": True,
     "stream_reasoning": True,
-    "include_reasoning": True,
 }
 
 

@@ -253,6 +253,26 @@ def test_a_reply_sent_back_brings_its_reasoning_to_the_template(server: ServerPr
     assert "<think>\nx\n</think>" in load_tokenizer(QWEN3_TOKENIZER).decode(want)
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(server: ServerProcess) -> None:
+    """As vLLM's (vllm-router adds `include_reasoning: true` to every chat body; false was a 400)."""
+    client = server.client()
+    forced = {**_forced("<think>x</think>y"), "include_reasoning": False}
+    whole = (
+        client.chat.completions.create(
+            model="qwen", messages=QUESTION, max_tokens=50, extra_body=forced
+        )
+        .choices[0]
+        .message
+    )
+    assert (whole.reasoning_content, whole.content) == (None, "y")  # type: ignore[attr-defined]
+    chunks = client.chat.completions.create(
+        model="qwen", messages=QUESTION, max_tokens=50, extra_body=forced, stream=True
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == "y"
+
+
 END_OF_THINKING = {"logit_bias": {"151668": 100}}  # `</think>` in Qwen3's vocabulary
 
 

@@ -282,7 +282,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         params = body.sampling_params(defaults)
         args.limits.check(body.n, 1, params)
         params = _held_after_thinking(args, body, _strict_calls(args, body, params))
-        fmt = ChatFormat(_reply_parser(args, body, params))
+        fmt = ChatFormat(_reply_parser(args, body, params), body.include_reasoning)
         messages = [m.as_template_input() for m in body.messages]
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(

@@ -519,7 +519,7 @@ class ChatCompletionRequest(_GenerateRequest):
     continue_final_message: Literal[False] = False
     separate_reasoning: Literal[True] = True
     stream_reasoning: Literal[True] = True
-    include_reasoning: Literal[True] = True  # vLLM's name for the reasoning in the reply
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
 
     def sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """An omitted max_tokens means the rest of the context; a given one must fit in it (the

@@ -193,16 +193,19 @@ class ReplyParser:
 
 class ChatFormat(ReplyFormat):
     """With a `new_parser` (the server's --reasoning-parser, the request's tools), each choice's
-    reply is parsed: reasoning_content, content (null when empty), tool_calls, and the
-    finish_reason `tool_calls` for a reply that made calls (`stop` for a named tool_choice's, as
-    OpenAI's)."""
+    reply is parsed: reasoning_content (null without `include_reasoning`, as vLLM's), content
+    (null when empty), tool_calls, and the finish_reason `tool_calls` for a reply that made calls
+    (`stop` for a named tool_choice's, as OpenAI's)."""
 
     id_prefix = "chatcmpl"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, new_parser: Callable[[], ReplyParser] | None = None) -> None:
+    def __init__(
+        self, new_parser: Callable[[], ReplyParser] | None = None, include_reasoning: bool = True
+    ) -> None:
         self.new_parser = new_parser
+        self.include_reasoning = include_reasoning
         self._parsers: dict[int, ReplyParser] = {}  # a streamed choice's, by index
 
     def prompt_logprobs(self, choices: list[Choice]) -> dict[str, Any]:
@@ -229,6 +232,8 @@ class ChatFormat(ReplyFormat):
             elif (parser := self._parsers.get(index)) is None:
                 parser = self._parsers[index] = self.new_parser()
             reasoning, content, calls = parser.feed(piece.text, end=piece.end is not None)
+            if not self.include_reasoning:
+                reasoning = ""
             message = self._message(reasoning, content, calls, parser, delta)
             if delta and not message and not first and not piece.logprobs and not piece.end:
                 return None  # all held back: nothing to send yet
