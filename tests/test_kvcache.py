@@ -50,6 +50,44 @@ def test_locked_prefixes_survive_eviction_and_lru_goes_first() -> None:
     assert old is not None and cache.cached_pages() == []
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "match", "lock", "unlock", "evict"]),
+            st.lists(st.integers(0, 2), min_size=1, max_size=6),  # few ids: shared prefixes
+        ),
+        max_size=40,
+    )
+)
+def test_eviction_takes_the_least_recently_used_leaf_without_a_walk(ops) -> None:
+    """The heap of evictable leaves against a walk of the tree: each page evicted lies in an
+    unlocked leaf of the oldest last use, and every evictable page can be evicted."""
+    cache, locked, next_page = RadixCache(page_size=1), [], 0
+    for op, ids in ops:
+        if op == "insert":
+            cache.insert(ids, list(range(next_page, next_page + len(ids))))
+            next_page += len(ids)
+        elif op == "match":
+            cache.match(ids)
+        elif op == "lock":
+            handle, _ = cache.match(ids)
+            cache.lock(handle)
+            locked.append(handle)
+        elif op == "unlock" and locked:
+            cache.unlock(locked.pop(0))
+        elif op == "evict":
+            leaves = [n for n in cache._nodes() if not n.children and n.lock_ref == 0]
+            oldest = min((n.last_access for n in leaves), default=None)
+            freed = cache.evict(1)
+            assert len(freed) == min(1, len(leaves))
+            if freed:
+                assert any(n.pages[-1] == freed[0] and n.last_access == oldest for n in leaves)
+        cache.check_integrity(locked)
+    evictable = cache.num_evictable_pages
+    assert len(cache.evict(evictable + 1)) == evictable and cache.num_evictable_pages == 0
+
+
 def test_integrity_check_detects_a_lock_nobody_holds() -> None:
     cache = RadixCache(page_size=1)
     node, _ = cache.insert([1, 2], [10, 11])

@@ -4,7 +4,9 @@
          └ [Once upon a ] ─ [time there]             each node the KV pages of its edge
 
 A request that matches a prefix locks the path from its node to the root; only unlocked nodes can
-be evicted, leaves first, least recently used first.
+be evicted, leaves first, least recently used first: a heap of the evictable leaves by last use
+finds them without walking the tree (a walk per eviction took 0.3 ms over 900 cached sequences
+of 1,000 tokens on a 2-core CPU, and the scheduler evicts at each step once the cache is full).
 """
 
 import heapq
@@ -13,6 +15,8 @@ from collections.abc import Sequence
 
 from . import require
 from .prefix_cache import PrefixCache
+
+_MIN_COMPACT = 1024  # eviction-heap entries before the first compaction
 
 
 class RadixNode:
@@ -33,6 +37,11 @@ class RadixCache(PrefixCache):
         self._clock = itertools.count(1)
         self._num_cached = 0
         self._num_locked = 0  # pages in nodes with lock_ref > 0
+        # (last use, order offered, node) for every evictable leaf, and stale entries (a node
+        # used, locked, grown or evicted since), which evict() skips and _compact() drops
+        self._leaves: list[tuple[int, int, RadixNode]] = []
+        self._offers = itertools.count()
+        self._compact_at = _MIN_COMPACT
 
     # ------------------------------------------------------------------ queries
     def _common_pages(self, node: RadixNode, ids: Sequence[int], start: int) -> int:
@@ -66,6 +75,7 @@ class RadixCache(PrefixCache):
             pages += child.pages
             pos += len(child.key)
             node = child
+        self._offer(node)  # its entry, if it is an evictable leaf, is stale now
         return node, pages, pos
 
     def match(self, ids: Sequence[int]) -> tuple[RadixNode, list[int]]:
@@ -102,6 +112,7 @@ class RadixCache(PrefixCache):
             leaf.parent, leaf.last_access = node, node.last_access
             node.children[leaf.key[:ps]] = leaf
             self._num_cached += len(leaf.pages)
+            self._offer(leaf)
             node = leaf
         return node, duplicates
 
@@ -120,27 +131,52 @@ class RadixCache(PrefixCache):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._num_locked -= len(node.pages)
+                self._offer(node)
             node = node.parent
 
     def evict(self, num_pages: int) -> list[int]:
-        leaves = [
-            (n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0
-        ]
-        heapq.heapify(leaves)
         freed: list[int] = []
-        while leaves and len(freed) < num_pages:
-            _, _, node = heapq.heappop(leaves)
+        while len(freed) < num_pages and self._leaves:
+            last_access, _, node = heapq.heappop(self._leaves)
+            if not self._evictable(node, last_access):
+                continue
             surplus = len(node.pages) - (num_pages - len(freed))
             if surplus > 0:  # evict only the tail of a long leaf; its head stays cached
                 self._split(node, surplus)
             parent = node.parent
             assert parent is not None
             del parent.children[node.key[: self.page_size]]
+            node.parent = None  # gone: its stale entries are skipped
             freed += node.pages
             self._num_cached -= len(node.pages)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+            self._offer(parent)
+        require(
+            len(freed) >= min(num_pages, len(freed) + self.num_evictable_pages),
+            "an evictable leaf has no entry in the eviction heap",
+        )
         return freed
+
+    def _evictable(self, node: RadixNode, last_access: int) -> bool:
+        """An entry (the node, its last use when offered) names an evictable leaf as it is now."""
+        return (
+            node.parent is not None
+            and not node.children
+            and node.lock_ref == 0
+            and node.last_access == last_access
+        )
+
+    def _offer(self, node: RadixNode) -> None:
+        """Enter the node in the eviction heap if it is an evictable leaf."""
+        if self._evictable(node, node.last_access):
+            heapq.heappush(self._leaves, (node.last_access, next(self._offers), node))
+            if len(self._leaves) > self._compact_at:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries: the heap stays within twice its live entries."""
+        self._leaves = [e for e in self._leaves if self._evictable(e[2], e[0])]
+        heapq.heapify(self._leaves)
+        self._compact_at = max(_MIN_COMPACT, 2 * len(self._leaves))
 
     # ------------------------------------------------------------------ accounting
     def _nodes(self) -> list[RadixNode]:
@@ -184,6 +220,13 @@ class RadixCache(PrefixCache):
         require(len(pages) == len(set(pages)) == self._num_cached, "a page is cached twice")
         locked = sum(len(n.pages) for n in nodes if n.lock_ref > 0)
         require(locked == self._num_locked, "the locked-page count is off")
+        offered = {
+            id(node) for last_access, _, node in self._leaves if self._evictable(node, last_access)
+        }
+        require(
+            all(id(n) in offered for n in nodes if self._evictable(n, n.last_access)),
+            "an evictable leaf is not in the eviction heap",
+        )
 
 
 class NaiveCache(RadixCache):
