@@ -880,7 +880,8 @@ def test_a_regex_xgrammar_reads_otherwise_is_refused(
 
 
 def test_anchors_where_they_hold_anyway_pass() -> None:
-    for regex in ("^ab$", "(^a|b)c", "ab|^c", "^(a|b)+$", "a$|b", "(?:^a)", "(a$)?", "a\\\\z"):
+    for regex in ("^ab$", "(^a|b)c", "ab|^c", "^(a|b)+$", "a$|b", "(?:^a)", "(a$)?", "a\\\\z",
+                  "[\\U0001F600-\\U0001F64F]+"):  # fmt: skip
         assert misread_in_regex(regex) is None, regex
     for letter in "zhUN":  # PCRE's and Python's escapes xgrammar reads as the letter
         assert misread_in_regex(f"a\\{letter}") is not None, letter
