@@ -221,10 +221,10 @@ class RadixCache(PrefixCache):
         locked = sum(len(n.pages) for n in nodes if n.lock_ref > 0)
         require(locked == self._num_locked, "the locked-page count is off")
         offered = {
-            id(node) for last_access, _, node in self._leaves if self._evictable(node, last_access)
+            node for last_access, _, node in self._leaves if self._evictable(node, last_access)
         }
         require(
-            all(id(n) in offered for n in nodes if self._evictable(n, n.last_access)),
+            all(n in offered for n in nodes if self._evictable(n, n.last_access)),
             "an evictable leaf is not in the eviction heap",
         )
 

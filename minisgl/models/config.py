@@ -102,9 +102,7 @@ class ModelConfig:
         if biased := [flag for flag in traits.bias_flags if getattr(config, flag, False)]:
             raise ConfigError(f"unsupported {arch} setting {', '.join(biased)}: true")
         rope_theta, rope_scaling = _rope_settings(config)
-        # sliding-window and chunked attention are not implemented: cap the context at the span
-        span = _attention_span(config)
-        max_positions = min(config.max_position_embeddings, span or config.max_position_embeddings)
+        max_positions = _max_positions(config)
         return cls(
             architecture=arch,
             num_layers=config.num_hidden_layers,
@@ -125,17 +123,18 @@ class ModelConfig:
         )
 
 
-def _attention_span(config: PretrainedConfig) -> int | None:
-    """The most positions back some layer attends over, where the config bounds it; None where
-    it does not. A sliding window, on the layers its `layer_types` say where the config has them
-    (Qwen2's windows start at layer max_window_layers), else on every layer once it is set (the
-    Qwen configs clear it where use_sliding_window is off; Mistral's never reads that); Llama
-    4's attention chunks, which Hugging Face's generate caches as a window."""
-    spans = [getattr(config, "attention_chunk_size", None)]
+def _max_positions(config: PretrainedConfig) -> int:
+    """The longest context: max_position_embeddings, capped where some layer attends over fewer
+    positions back (sliding-window and chunked attention are not implemented). A sliding window,
+    on the layers its `layer_types` say where the config has them (Qwen2's windows start at layer
+    max_window_layers), else on every layer once it is set (the Qwen configs clear it where
+    use_sliding_window is off; Mistral's never reads that); Llama 4's attention chunks, which
+    Hugging Face's generate caches as a window."""
+    spans = [config.max_position_embeddings, getattr(config, "attention_chunk_size", None)]
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None or "sliding_attention" in layer_types:
         spans.append(getattr(config, "sliding_window", None))
-    return min((span for span in spans if span), default=None)
+    return min(span for span in spans if span)
 
 
 def _moe_config(config: PretrainedConfig) -> MoEConfig | None:
