@@ -558,17 +558,55 @@ def test_token_ids_of_any_integer_type_are_a_prompt(stories_llm: LLM) -> None:
             stories_llm.generate([bad], params, use_tqdm=False)
 
 
-def test_an_eos_as_the_last_allowed_token_ends_at_the_length(stories_llm: LLM) -> None:
-    """As vLLM's and SGLang's: max_tokens is checked before the eos (it ended "stop" before).
-    The embedded model's story ends on its eos after 342 tokens (test_models.py)."""
+def test_a_stop_token_as_the_last_allowed_token_is_a_stop(stories_llm: LLM) -> None:
+    """As vLLM's: the eos and stop tokens are checked before max_tokens, so the last allowed
+    token's text is left out when it is one (it ended "length" with the text in). The embedded
+    model's story ends after 342 tokens (test_models.py) on its <s>, generation_config's second
+    eos id (named as vLLM names it: below)."""
     at_eos, past_eos = stories_llm.generate(
         ["Once upon a time"] * 2,
         [SamplingParams(temperature=0, max_tokens=n) for n in (342, 343)],
         use_tqdm=False,
     )
     assert len(at_eos["token_ids"]) == len(past_eos["token_ids"]) == 342
-    assert at_eos["finish_reason"] == "length" and at_eos["stop_reason"] is None
-    assert past_eos["finish_reason"] == "stop" and past_eos["stop_reason"] is None
+    for out in (at_eos, past_eos):
+        assert out["finish_reason"] == "stop" and out["stop_reason"] == 1
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    first, second, _ = stories_llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0][
+        "token_ids"
+    ]
+    stopped = stories_llm.generate(
+        ["Once upon a time"],
+        SamplingParams(temperature=0, max_tokens=2, stop_token_ids=[second]),
+        use_tqdm=False,
+    )[0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == second
+    assert stopped["text"] == stories_llm.tokenizer.decode([first])
+
+
+def test_stop_reason_names_every_stop_token_but_the_tokenizers_eos(stories_llm: LLM) -> None:
+    """vLLM's: None for the tokenizer's eos, even one listed in stop_token_ids (the eos is
+    checked first); the id for the model's other eos ids (generation_config's [2, 1] here),
+    which vLLM makes stop tokens."""
+    eos, other_eos = 2, 1
+    assert stories_llm.tokenizer.eos_token_id == eos
+    outs = stories_llm.generate(
+        ["Once upon a time"] * 3,
+        [
+            SamplingParams(max_tokens=4, logit_bias={eos: 100}, stop_token_ids=[eos]),
+            SamplingParams(max_tokens=4, logit_bias={other_eos: 100}),
+            SamplingParams(
+                max_tokens=4, logit_bias={eos: 100}, stop_token_ids=[eos], ignore_eos=True
+            ),
+        ],
+        use_tqdm=False,
+    )
+    assert [(o["finish_reason"], o["stop_reason"]) for o in outs] == [
+        ("stop", None),
+        ("stop", other_eos),
+        ("stop", eos),
+    ]
+    assert all(o["text"] == "" and len(o["token_ids"]) == 1 for o in outs)
 
 
 def test_a_closed_llm_says_so() -> None:

@@ -143,13 +143,13 @@ def test_finish_reason_is_length_at_max_tokens_and_stop_at_a_stop_token(
     stop = client.completions.create(extra_body={"stop_token_ids": [ids[5]]}, **kwargs)
     assert stop.choices[0].finish_reason == "stop"
     assert stop.usage.completion_tokens == ids.index(ids[5]) + 1
-    # vLLM's stop_reason: the stop token, and None at the length limit or an eos
+    # vLLM's stop_reason: the stop token, and None at the length limit or the tokenizer's eos
     assert stop.choices[0].stop_reason == ids[5] and length.choices[0].stop_reason is None
     story = client.completions.create(
         model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=500
-    )  # the embedded model's story ends on its eos after 342 tokens (test_models.py)
+    )  # the embedded model's story ends on <s> after 342 tokens (test_models.py)
     assert story.choices[0].finish_reason == "stop" and story.usage.completion_tokens == 342
-    assert story.choices[0].stop_reason is None
+    assert story.choices[0].stop_reason == 1  # generation_config's second eos: a stop token
     # offline, the same reasons
     offline = stories_llm.generate(
         [PROMPT, PROMPT, "Once upon a time"],
@@ -158,7 +158,7 @@ def test_finish_reason_is_length_at_max_tokens_and_stop_at_a_stop_token(
          SamplingParams(temperature=0, max_tokens=500)],
         use_tqdm=False,
     )  # fmt: skip
-    assert [r["stop_reason"] for r in offline] == [None, ids[5], None]
+    assert [r["stop_reason"] for r in offline] == [None, ids[5], 1]
     assert offline[2]["finish_reason"] == "stop"
 
 

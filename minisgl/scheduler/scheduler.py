@@ -348,19 +348,20 @@ class Scheduler:
             row += count
 
     def _token_finish(self, req: Req) -> tuple[FinishReason, int | None] | None:
-        """(reason, the stop token) if the token just appended ends `req`: max_tokens or the end
-        of the context, else an eos or stop token (that order, as vLLM's and SGLang's: a last
-        allowed token that is an eos ends at the length). Stop strings are matched where the
-        text is decoded (the detokenizer), which then aborts the request here."""
+        """(reason, the stop token) if the token just appended ends `req`: an eos or stop
+        token, else max_tokens or the end of the context (that order, as vLLM's: a last allowed
+        token that is a stop token ends the request as a stop, its text left out). Stop strings
+        are matched where the text is decoded (the detokenizer), which then aborts the request
+        here."""
         token, params = req.token_ids[-1], req.params
+        if token in req.stop_ids or (not params.ignore_eos and token in self.eos_ids):
+            return "stop", token
         # the tokens the host has seen (an in-flight step may have sampled one more already)
         if (
             req.num_output_tokens == params.max_tokens
             or len(req.token_ids) >= self.layout.max_seq_len
         ):
             return "length", None
-        if token in req.stop_ids or (not params.ignore_eos and token in self.eos_ids):
-            return "stop", token
         return None
 
     # ------------------------------------------------------------------ scheduling

@@ -65,7 +65,9 @@ class IncrementalDetokenizer:
         self._stops: tuple[str, ...] = params.stop  # type: ignore[assignment]
         self._min_tokens = params.min_tokens
         self._include_stop = params.include_stop_str_in_output
-        self._stop_ids = frozenset(params.stop_token_ids)
+        # vLLM's stop_reason is None for the tokenizer's eos (even one in stop_token_ids) and the
+        # id of any other stop token, the model's other eos ids among them
+        self._unnamed_eos = None if params.ignore_eos else tokenizer.eos_token_id
         self._searched = 0  # stop strings ending in self.text[:_searched] were looked for
         # the longest tail that may still become a stop string: held back until it cannot
         self._hold = max(map(len, self._stops), default=1) - 1
@@ -190,7 +192,7 @@ class IncrementalDetokenizer:
     def end(self, finish: Finished) -> Finished:
         """The request's end as the client sees it: a stop string ends it where it matched, with
         the tokens up to the one that completed it; what matched is vLLM's stop_reason, a stop
-        string or one of stop_token_ids (None for an eos)."""
+        string or a stop token (None for the tokenizer's eos)."""
         if self.matched_stop is not None:
             return replace(
                 finish,
@@ -198,6 +200,6 @@ class IncrementalDetokenizer:
                 matched_stop=self.matched_stop,
                 completion_tokens=self.num_tokens,
             )
-        if isinstance(finish.matched_stop, int) and finish.matched_stop not in self._stop_ids:
+        if finish.matched_stop is not None and finish.matched_stop == self._unnamed_eos:
             return replace(finish, matched_stop=None)
         return finish
