@@ -57,9 +57,11 @@ class TokenizeRequest:
     # the params' max_tokens is the route's default, not the client's: bounded by the room each
     # prompt leaves in the context (vLLM's), not refused for it
     default_max_tokens: bool = False
-    # prompt logprobs the request may ask for at most, over its prompts: each token after a
-    # prompt's first has its own and its prompt_logprobs likeliest (None: no bound)
+    # prompt logprobs the request's answer may hold at most, over its prompts: each token after a
+    # prompt's first has its own and its prompt_logprobs likeliest (None: no bound), in each of
+    # prompt_logprobs_copies (a completion's choices carry a copy each, a chat answer one)
     max_prompt_logprobs: int | None = None
+    prompt_logprobs_copies: int = 1
 
 
 @_wire

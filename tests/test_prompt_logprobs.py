@@ -173,6 +173,23 @@ def test_more_prompt_logprobs_than_a_request_may_ask_for_is_a_400(
     assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
 
 
+def test_each_choice_of_a_completion_counts_its_copy_of_the_prompt_logprobs(
+    server: ServerProcess,
+) -> None:
+    """A completion's choices each carry their prompt's logprobs: one prompt of 2,047 tokens x
+    21 x 25 choices is the same 1,074,150 (it was served: n=128 of a 2,000-token prompt made a
+    365 MB answer); a chat answer holds them once, whatever n."""
+    prompt = [(j * 7) % 500 + 1 for j in range(2047)]
+    body = {"model": "m", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 20, "n": 25}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    error = assert_openai_error(response, 400)
+    assert "1074150 prompt logprobs" in error["message"] and "x 25 choices" in error["message"]
+    assert (
+        httpx.post(server.url + "/v1/completions", json={**body, "n": 24}, timeout=120).status_code
+        == 200
+    )
+
+
 def _vllm_check(entries: list, prompt: list[int], want: torch.Tensor, top: int) -> None:
     """vLLM's prompt_logprobs: None, then {token id: {logprob, rank, decoded_token}} of the
     prompt's token and the `top` likeliest."""

@@ -259,7 +259,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         tokenize = TokenizeRequest(
             client.new_rids(len(prompts) * body.n), choices, prompts,
             default_max_tokens=body.max_tokens is None,
-            max_prompt_logprobs=args.limits.max_prompt_logprobs,
+            max_prompt_logprobs=args.limits.max_prompt_logprobs, prompt_logprobs_copies=body.n,
         )  # fmt: skip
         echo = None
         if body.echo:  # each choice's text starts with its prompt's

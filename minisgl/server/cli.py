@@ -90,8 +90,9 @@ _HELP = {
     "max_logit_bias": "tokens a request's logit_bias biases at most",
     "max_params_bytes": "bytes of sampling parameters a request's choices (prompts x n, each "
     "with its own copy) carry to the engine at most",
-    "max_prompt_logprobs": "prompt logprobs a request may ask for at most: its prompts' tokens "
-    "after the first, each with its own and its prompt_logprobs (or echo's logprobs) likeliest",
+    "max_prompt_logprobs": "prompt logprobs a request's answer may hold at most: its prompts' "
+    "tokens after the first, each with its own and its prompt_logprobs (or echo's logprobs) "
+    "likeliest, in each choice of a completion (chat gives them once)",
     "max_queued_requests": "requests waiting for their first token at most; more get a 429 "
     "(default: no limit)",
     "request_timeout": "seconds a request may run before it is stopped with a 400 whose code is "

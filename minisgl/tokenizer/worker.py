@@ -106,11 +106,13 @@ class Tokenize:
         bound = request.max_prompt_logprobs
         if top is None or bound is None:
             return
-        asked = sum(len(ids) - 1 for ids in prompts) * (top + 1)
+        copies = request.prompt_logprobs_copies
+        asked = sum(len(ids) - 1 for ids in prompts) * (top + 1) * copies
         if asked > bound:
             raise ValueError(
                 f"the request asks for {asked} prompt logprobs (its prompts' tokens after the "
-                f"first x {top + 1}), more than the {bound} a request may (--max-prompt-logprobs)"
+                f"first x {top + 1}" + (f" x {copies} choices" if copies > 1 else "") + "), more "
+                f"than the {bound} a request may (--max-prompt-logprobs)"
             )
 
     def _bounded(self, request: TokenizeRequest, ids: list[int]) -> list[SamplingParams]:
