@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 FinishReason = Literal["stop", "length", "abort"]
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's bound (1e39, a finite float, is inf as a float32)
+MAX_N = 16384  # vLLM's default bound (VLLM_MAX_N_SEQUENCES) on one prompt's outputs
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # a temperature below this (and above 0) samples greedily: far enough below it, dividing the
 # logits by it overflows to inf and the probabilities to NaN (vLLM, instead, samples any
@@ -155,7 +157,11 @@ class SamplingParams:
         for name in _NUMBERS:  # numpy's scalars as Python's, so every reader sees one form
             object.__setattr__(self, name, _plain_number(getattr(self, name)))
 
-        check(_is_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        check(
+            _is_finite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+            "temperature",
+            f"must be in [0, {MAX_TEMPERATURE:g}]",
+        )
         check(
             _is_int64(self.top_k) and (self.top_k in (-1, 0) or self.top_k >= 1),
             "top_k",
@@ -169,6 +175,8 @@ class SamplingParams:
             "must be >= 1",
         )
         check(self.seed is None or _is_int64(self.seed), "seed", "must be a 64-bit integer")
+        if self.seed == -1:  # vLLM's: no seed
+            object.__setattr__(self, "seed", None)
         check(
             self.logprobs is None
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
@@ -200,7 +208,7 @@ class SamplingParams:
             "structured",
             "must be a StructuredOutput",
         )
-        check(_is_int(self.n) and self.n >= 1, "n", "must be >= 1")
+        check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
         check(
             self.prompt_logprobs is None
             or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
@@ -271,11 +279,8 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     rest = first if params.prompt_logprobs is None else replace(first, prompt_logprobs=None)
     if params.seed is None:
         return [first] + [rest] * (n - 1)
-    # wrapped into the 64-bit range SamplingParams accepts
-    return [
-        replace(first if i == 0 else rest, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
-        for i in range(n)
-    ]
+    # the others' wrapped to 63 bits: never -1, which asks for no seed
+    return [first] + [replace(rest, seed=(params.seed + i) % 2**63) for i in range(1, n)]
 
 
 _NUMBERS = (

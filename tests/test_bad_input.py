@@ -81,6 +81,8 @@ def test_bad_prompt_raises_and_engine_keeps_serving(
         ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"structured": StructuredOutput(json_object=True), "n": 0}, "n must"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"temperature": 1e39}, r"temperature must be in \[0, 2\]"),  # a float32's inf
+        ({"n": 2**70}, r"n must be in \[1, 16384\]"),
         ({"logit_bias": [(5, 60.0), (5, 60.0)]}, "names a token id twice"),
     ],
 )

@@ -163,3 +163,14 @@ def test_n_gives_a_choice_per_derived_seed_offline(stories_llm: LLM) -> None:
         assert results[3 + j]["token_ids"] == alone["token_ids"]
     assert choice_params(params, 3)[0].seed == 5  # choice 0 keeps the seed
     assert len({tuple(r["token_ids"]) for r in results[3:]}) > 1
+
+
+def test_seed_minus_one_asks_for_no_seed(stories_llm: LLM) -> None:
+    """vLLM's: -1 is no seed (two calls gave the same tokens); a seed derived for a later choice
+    is never -1."""
+    params = SamplingParams(seed=-1, max_tokens=16, temperature=2.0)
+    assert params.seed is None
+    runs = [stories_llm.generate(["Once"], params, use_tqdm=False)[0] for _ in range(2)]
+    assert runs[0]["token_ids"] != runs[1]["token_ids"]
+    derived = choice_params(SamplingParams(seed=-3, n=4), 4)
+    assert [c.seed for c in derived] == [-3, 2**63 - 2, 2**63 - 1, 0]
