@@ -1,6 +1,7 @@
 """IncrementalDetokenizer: streamed pieces are final text only (no half characters, no text that
 may still become a stop string) and always concatenate to the finished text."""
 
+import codecs
 import random
 
 import pytest
@@ -239,26 +240,61 @@ def test_a_byte_fallback_run_streams_the_text_the_whole_run_decodes_to() -> None
     assert "".join(pieces) == detok.text == _whole(tokenizer, ids, prompt="Hi") == "\ufffd" * 5
 
 
-def test_byte_fallback_runs_stream_the_whole_decode_and_a_broken_one_goes_out_as_it_comes() -> None:
-    """Runs of byte tokens between words: whole characters, or broken from their first byte
-    (then U+FFFD a byte, whatever follows). The streamed text is the whole sequence's, and no
-    step decodes a broken run again."""
+def _as_given(run: list[int]) -> bytes:
+    """A ByteFallback run's text as it is given out, as UTF-8: its characters as they complete;
+    from the character that breaks (or ends unfinished), a U+FFFD a byte."""
+    decoder, text, broken = codecs.getincrementaldecoder("utf-8")(), "", False
+    for b in run:
+        if broken:
+            text += "\ufffd"
+            continue
+        held = len(decoder.getstate()[0])
+        try:
+            text += decoder.decode(bytes((b,)))
+        except UnicodeDecodeError:
+            text, broken = text + "\ufffd" * (held + 1), True
+    if not broken:
+        text += "\ufffd" * len(decoder.getstate()[0])
+    return text.encode()
+
+
+def test_byte_fallback_runs_stream_their_characters_as_they_complete() -> None:
+    """Runs of byte tokens between words: whole characters, broken from their first byte or
+    after some (then U+FFFD a byte from the broken character on, whatever follows), or ending
+    inside a character. Streamed or given at once, the text is the same: the whole sequence's
+    where every run is valid or broken from its first byte (tokenizer.decode makes a broken
+    run's earlier characters U+FFFD too: 中 then a stray byte gave 中��� streamed and ���� at
+    once). No step decodes a broken run again."""
     tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_PATH))
     byte = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)]
     words = tokenizer.encode(" once upon a time", add_special_tokens=False)
     assert not set(words) & set(byte)
     rng = random.Random(0)
-    for _ in range(40):
+    for _ in range(80):
         ids: list[int] = []
+        given: list[int] = []  # the same with each run as its text given out
+        whole_is_given = True
         for _ in range(rng.randint(1, 5)):
-            ids.append(rng.choice(words))
-            if rng.random() < 0.5:
+            word = rng.choice(words)
+            ids.append(word)
+            given.append(word)
+            run = list("".join(rng.choices("é中𠀋a", k=rng.randint(0, 3))).encode())
+            kind = rng.randrange(4)
+            if kind == 1:  # broken from its first byte
                 run = [0xFF] + [rng.randrange(256) for _ in range(rng.randint(0, 6))]
-            else:
-                run = list("".join(rng.choices("é中𠀋a", k=rng.randint(1, 3))).encode())
+            elif kind == 2:  # broken after some characters
+                run += [rng.choice([0xAD, 0xFF, 0x41])] + [rng.randrange(256) for _ in range(3)]
+            elif kind == 3:  # ending inside a character
+                run += list("𠀋".encode())[: rng.randint(1, 3)]
+            whole_is_given &= kind < 2
             ids += [byte[b] for b in run]
+            given += [byte[b] for b in _as_given(run)]
+        want = _whole(tokenizer, given, prompt="Hi")
         pieces, detok = _stream(tokenizer, ids, prompt="Hi")
-        assert "".join(pieces) == detok.text == _whole(tokenizer, ids, prompt="Hi"), ids
+        at_once = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi"))
+        assert at_once.step(ids, _finished())[0] == "".join(pieces) == detok.text == want, ids
+        if whole_is_given:
+            assert want == _whole(tokenizer, ids, prompt="Hi")
     counted = _Counted(tokenizer)
     ids = [byte[0xFF]] * 300 + words
     pieces, _ = _stream(counted, ids, prompt="Hi")  # type: ignore[arg-type]

@@ -81,7 +81,7 @@ class IncrementalDetokenizer:
         self._bytes_settle = _bytes_settle(tokenizer)
         self._special_ids, self._known = _silent_ids(tokenizer)
         # under ByteFallback, the run of byte tokens the kept ids end in (its bytes as UTF-8 so
-        # far), and whether it is broken: then each of its bytes is U+FFFD, whatever follows
+        # far), and whether it is broken: then each of its later bytes is U+FFFD, whatever follows
         self._byte_of = {} if self._bytes_settle else _fallback_bytes(tokenizer)
         self._run = codecs.getincrementaldecoder("utf-8")()
         self._broken = False
@@ -132,6 +132,8 @@ class IncrementalDetokenizer:
         if new or finished:
             for token in self._kept(new):
                 self._add(token)
+            if finished and (held := len(self._run.getstate()[0])):  # it ends inside a character
+                self._cut_run(held, "")
             self._read(final=finished)
         found = self._find_stop() if self.num_tokens > self._min_tokens else None
         self._searched = len(self.text)
@@ -161,17 +163,33 @@ class IncrementalDetokenizer:
                 self._broken = True
 
     def _add(self, token: int) -> None:
-        """Keep a token to decode. Under ByteFallback, a later byte of a broken run adds its
-        U+FFFD at once, unkept, and the byte that breaks a run releases the text held before
-        it: a run held to its end would be decoded again at every step."""
+        """Keep a token to decode. Under ByteFallback, the byte that breaks a run and every later
+        byte of it add their U+FFFD at once, unkept: a run held to its end would be decoded again
+        at every step, and decoded with the bytes before the break it would make the characters
+        already given U+FFFD too."""
         was_broken = self._broken
+        held = len(self._run.getstate()[0])  # the bytes of a character begun in the run
         self._track_run(token)
         if was_broken and self._broken:
             self.text += "\ufffd"
             return
-        self._ids.append(token)
         if self._broken:
-            self._read(final=True)
+            self._cut_run(held, "\ufffd")
+            return
+        if held and token not in self._byte_of:  # the run ends inside a character
+            self._cut_run(held, "")
+        self._ids.append(token)
+
+    def _cut_run(self, held: int, breaking: str) -> None:
+        """The run ends inside a character: the text before that character goes out, then a
+        U+FFFD for each of its bytes (the prompt's not counted) and the breaking byte's, as
+        ByteFallback decodes an invalid run. The characters the run completed before stay
+        (tokenizer.decode would make them U+FFFD too, but they are final once given)."""
+        held = min(held, len(self._ids) - self._read_offset)
+        if held:
+            del self._ids[-held:]
+        self._read(final=True)
+        self.text += "\ufffd" * held + breaking
 
     def _find_stop(self) -> tuple[int, str] | None:
         """Where the stop string that ends first after self._searched begins, and which it is
