@@ -163,9 +163,23 @@ def test_moe_floor_reads_the_experts_one_request_selects(checkpoint) -> None:
     args = ["--model", str(path), *SMOKE, "--prompt-len", "16", "--output-len", "8"]
     result = latency.main(args)
     assert result["experts_per_layer"] == 2  # conftest's Qwen3-MoE: top-2
-    # each of the two sparse layers reads 2 of its 8 experts (gate_up and down, 64 x 32 each)
+    # each of the two sparse layers reads 2 of its 8 experts (gate_up and down, 64 x 32 each),
+    # and of the untied embedding table only the step's rows
     per_expert = 3 * 64 * 32 * 4
-    assert result["weight_bytes"] - result["step_weight_bytes"] == 2 * 6 * per_expert
+    table = 512 * 64 * 4
+    assert result["weight_bytes"] - result["step_weight_bytes"] == 2 * 6 * per_expert + table
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("qwen3", True)])
+def test_the_floor_reads_an_embedding_table_whole_only_as_the_lm_head(
+    checkpoint, arch: str, tied: bool
+) -> None:
+    """A step gathers its tokens' rows of the embedding table: the whole table is read only
+    where the LM head shares it (counted whole, it added 10 % to Qwen3-30B-A3B's floor)."""
+    args = ["--model", str(checkpoint(arch)), *SMOKE, "--prompt-len", "16", "--output-len", "4"]
+    result = latency.main(args)
+    table = 0 if tied else 512 * 64 * 4
+    assert result["weight_bytes"] - result["step_weight_bytes"] == table
 
 
 def test_moe_floor_of_a_batch_counts_each_selected_expert_once(checkpoint) -> None:
