@@ -13,12 +13,15 @@ import re
 import signal
 import string
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
 from .server_process import ServerProcess, process_name, read_metrics, wait_for
+from .stress.checks import FIRST_TOKENS
+from .stress.clients import read_stream
 
 MODEL = "stories"
 API_KEY = "dp-key"
@@ -278,3 +281,56 @@ def _router_workers(server: ServerProcess) -> list[str]:
     """The replicas the router routes to."""
     listing = httpx.get(server.url + "/workers", headers=server.headers, timeout=10).json()
     return [w["url"] for w in listing["workers"] if w["is_healthy"]]
+
+
+def test_a_replica_that_dies_during_a_drain_cuts_only_its_own_streams(tmp_path: Path) -> None:
+    """SIGTERM lets both replicas drain; replica 0's scheduler is then killed: its stream ends at
+    once with an error, and replica 1's runs to its end (every replica's was cut: a process
+    exiting during the drain had every API server answer what it had open)."""
+    server = _start(
+        tmp_path, "--max-kv-tokens", "8192", "--router-policy", "round_robin",
+        "--shutdown-timeout", "60",
+    )  # fmt: skip
+    schedulers = [server.child(f"r{i}-scheduler-0") for i in range(2)]
+    body = {
+        "model": MODEL, "prompt": "Once", "max_tokens": 1900, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    for pid in schedulers:  # no stream may end before the kill, however slow the machine
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(read_stream, server, "/v1/completions", body) for _ in range(2)]
+            deadline = time.monotonic() + 60
+            while _replica_metrics(server, FIRST_TOKENS) != [1.0, 1.0]:  # one each, begun
+                assert time.monotonic() < deadline, _replica_metrics(server, FIRST_TOKENS)
+                for signum in (signal.SIGCONT, signal.SIGSTOP):
+                    for pid in schedulers:
+                        os.kill(pid, signum)
+                    time.sleep(0.02 if signum == signal.SIGCONT else 0.2)
+            server.proc.send_signal(signal.SIGTERM)
+            wait_for(
+                lambda: all(
+                    httpx.get(url + "/health", timeout=5).status_code == 503
+                    for url in _replica_urls(server)
+                ),
+                30,
+                "the replicas are not draining",
+            )
+            os.kill(schedulers[0], signal.SIGKILL)
+            os.kill(schedulers[1], signal.SIGCONT)
+            outcomes = sorted(
+                (
+                    (s.completion_tokens, s.done, s.events[-1].get("error", {}).get("message", ""))
+                    for s in (f.result() for f in streams)
+                ),
+                key=lambda outcome: outcome[0] or 0,
+            )
+    finally:
+        for pid in schedulers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    (_, cut_done, cut_error), whole = outcomes
+    assert cut_done and "the engine stopped" in cut_error, outcomes
+    assert whole[:2] == (1900, True), outcomes
+    assert server.wait_exit(timeout=30) == 0

@@ -32,6 +32,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from minisgl.core import SamplingParams, StructuredOutput, choice_params
 from minisgl.messages import Addresses, Ready, TokenizerAnswer, TokenizeRequest, TokenizerQuery
 from minisgl.utils import sampling_defaults
+from minisgl.utils.process import stop_on_sigterm
 
 from .args import ServerArgs
 from .disconnect import ClientGone, until_disconnected
@@ -485,6 +486,7 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
 
 def run_api_server(args: ServerArgs, addresses: Addresses) -> None:
     """The process entry point; serves until SIGTERM, then drains (SIGUSR1: answers at once)."""
+    stop_on_sigterm()
     client = EngineClient(addresses, Metrics(), args.limits.max_queued_requests)
     config = uvicorn.Config(
         # the server is bound below, before the app can call this

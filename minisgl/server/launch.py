@@ -15,8 +15,10 @@ is stopped whole and taken out of the router, and the others serve on; the launc
 router or the last replica does.
 
 On SIGINT or SIGTERM it lets the API servers (and the router) drain (--shutdown-timeout), then
-stops the rest. Once a process has died, no open request can finish: the API server answers each
-with a 503 at once (SIGUSR1), the launcher stops the rest and exits 1; under --shell, a reply
+stops the rest; the other children ignore both, so a signal sent to the whole process group
+(a terminal's Ctrl-C, systemd's stop) drains too. Once a process has died, no open request of its
+server can finish: that API server answers each with a 503 at once (SIGUSR1), the launcher stops
+the rest and exits 1; under --shell, a reply
 under way gets that error and the shell ends at the next line. The children talk over abstract
 sockets (the TP ranks among themselves over torch.distributed) and die with the launcher, however
 it ends: nothing is left behind. This module imports nothing heavy: each child imports only its
@@ -226,15 +228,25 @@ def _wait_ready(
         time.sleep(0.2)
 
 
-def _stop(procs: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S, kill: bool = True) -> None:
-    """SIGTERM, then (with `kill`) SIGKILL for those still running `timeout` seconds later."""
+def _drains(proc: BaseProcess) -> bool:
+    """An API server or the router: it drains on SIGTERM (the others ignore it)."""
+    return proc.name.endswith("api-server") or proc.name == "router"
+
+
+def _stop(procs: list[BaseProcess], timeout: float = _STOP_TIMEOUT_S) -> None:
+    """SIGTERM for the API servers and the router, then SIGKILL for those still running
+    `timeout` seconds later; SIGKILL at once for the others, which ignore SIGTERM (and which
+    SIGTERM's default action ended as abruptly)."""
     for proc in procs:
         if proc.is_alive():
-            proc.terminate()
+            if _drains(proc):
+                proc.terminate()
+            else:
+                proc.kill()
     deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-        if kill and proc.is_alive():
+        if proc.is_alive():
             proc.kill()
             proc.join()
 
@@ -248,21 +260,24 @@ def _answer_open_requests(procs: list[BaseProcess]) -> None:
                 os.kill(proc.pid, signal.SIGUSR1)
 
 
-def _drain(fronts: list[BaseProcess], others: list[BaseProcess], timeout: float) -> None:
+def _drain(servers: list[list[BaseProcess]], router: list[BaseProcess], timeout: float) -> None:
     """SIGTERM the API servers and the router, which drain, and wait until they have exited or
-    `timeout` seconds; should one of the `others` exit meanwhile, nothing open can finish."""
+    `timeout` seconds; should another process of a server exit meanwhile, none of that server's
+    open requests can finish (the other --dp replicas' still may)."""
+    fronts = [proc for proc in [*_flat(servers), *router] if _drains(proc)]
     for proc in fronts:
         if proc.is_alive():
             proc.terminate()
     deadline = time.monotonic() + timeout
-    waiting = {proc.sentinel: proc for proc in [*fronts, *others]}
+    server_of = {proc.sentinel: procs for procs in servers for proc in procs}
+    waiting = {proc.sentinel: proc for proc in [*_flat(servers), *router]}
     while any(proc in waiting.values() for proc in fronts):
         left = deadline - time.monotonic()
         if left <= 0:
             return
         for sentinel in multiprocessing.connection.wait(list(waiting), left):
-            if waiting.pop(sentinel) in others:
-                _answer_open_requests(fronts)
+            if not _drains(waiting.pop(sentinel)):
+                _answer_open_requests(server_of[sentinel])
 
 
 class _ShellWatcher(threading.Thread):
@@ -345,9 +360,7 @@ def launch(args: ServerArgs) -> int:
             signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         procs = [*_flat(servers), *router]
         if stopping:  # the API servers and the router drain on SIGTERM: they answer what they have
-            fronts = [p for p in procs if p.name.endswith("api-server") or p.name == "router"]
-            others = [p for p in procs if p not in fronts]
-            _drain(fronts, others, args.shutdown_timeout + _STOP_TIMEOUT_S)
+            _drain(servers, router, args.shutdown_timeout + _STOP_TIMEOUT_S)
         elif broken:
             _answer_open_requests(procs)
         _stop(procs)

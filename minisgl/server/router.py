@@ -15,6 +15,8 @@ import math
 import urllib.parse
 import urllib.request
 
+from minisgl.utils.process import stop_on_sigterm
+
 from .args import ServerArgs
 from .direct_http import open_direct
 
@@ -30,6 +32,7 @@ def run_router(args: ServerArgs, replica_urls: list[str], metrics_port: int) -> 
     SIGTERM, then drains."""
     from vllm_router.launch_router import RouterArgs, launch_router  # the launcher needs none
 
+    stop_on_sigterm()
     launch_router(
         RouterArgs(
             worker_urls=replica_urls,

@@ -33,6 +33,12 @@ def start_child(
     return proc
 
 
+def stop_on_sigterm() -> None:
+    """For a child that drains on SIGTERM (the API server, the router), which start_child's
+    ignore: the default again, until it installs its own handler."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def local_init_method() -> str:
     """A torch.distributed init URL for ranks on this machine, at a port free now."""
     with socket.socket() as s:
@@ -44,12 +50,14 @@ def _child_main(
     name: str, parent: int, setup: Callable[[], None] | None, target: str, *args: Any
 ) -> None:
     """Every child: named `name` in `ps` and /proc (comm), ignoring the terminal's Ctrl-C and
-    hang-up (its parent stops it), dying with its parent even if that is killed outright; then
-    the entry point `target`. A bad setting only the child can find (ConfigError) ends it with
-    one line; an error in any of its threads ends it."""
+    hang-up and a SIGTERM sent to the whole process group, as systemd's stop sends it (its
+    parent stops it, after the API server has drained; an entry point that drains takes SIGTERM
+    back), dying with its parent even if that is killed outright; then the entry point `target`.
+    A bad setting only the child can find (ConfigError) ends it with one line; an error in any
+    of its threads ends it."""
     if setup is not None:
         setup()
-    for signum in (signal.SIGINT, signal.SIGHUP):
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     if sys.platform == "linux":
         libc = ctypes.CDLL(None)

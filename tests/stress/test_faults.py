@@ -2,13 +2,15 @@
 small for its load, a full queue, SIGTERM under load, and a killed or a stopped scheduler."""
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import httpx
 import pytest
@@ -379,23 +381,42 @@ def test_killed_scheduler_answers_every_open_request_with_a_503_and_exits_prompt
     assert time.monotonic() - killed < 30
 
 
-def test_scheduler_dying_during_a_drain_ends_it_at_once(start_server) -> None:
-    """SIGTERM lets running requests finish within --shutdown-timeout (60 s here); once the
-    scheduler has died, none can, and each is answered at once."""
-    server = start_server("--max-kv-tokens", "4096", "--shutdown-timeout", "60")
+@contextlib.contextmanager
+def _draining(server: ServerProcess, stop: Callable[[], None]) -> Iterator[Future[Streamed]]:
+    """A 1,900-token stream begins, then `stop()` (a SIGTERM) and the server drains; the block
+    runs with the scheduler stopped, and the stream has been read to its end after it."""
     before = server.metrics()
     with ThreadPoolExecutor(1) as pool:
         stream = pool.submit(
             read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, "Once", 1900)
         )
         with server.scheduler_stopped(until=lambda m: delta(before, m, FIRST_TOKENS) == 1):
-            server.proc.send_signal(signal.SIGTERM)
+            stop()
             wait_for(lambda: httpx.get(server.url + "/health").status_code == 503)  # draining
-            os.kill(server.child("scheduler-0"), signal.SIGKILL)
-            killed = time.monotonic()
-        answer = stream.result()
-        assert answer.status == 200 and answer.done, answer
-        assert "the engine stopped" in check_error_body(answer.events[-1])["message"]
+            yield stream
+
+
+def test_sigterm_to_the_whole_process_group_drains_too(start_server) -> None:
+    """systemd's stop (KillMode=control-group) and timeout(1) send SIGTERM to every process of
+    the server: the scheduler and the tokenizer died of it at once, and the running streams
+    were cut ("a server process exited") with the drain's time unused."""
+    server = start_server("--max-kv-tokens", "4096", "--shutdown-timeout", "60")
+    with _draining(server, lambda: os.killpg(server.proc.pid, signal.SIGTERM)) as stream:
+        pass
+    _assert_complete(stream.result(), 1900)
+    assert server.wait_exit(timeout=30) == 0
+
+
+def test_scheduler_dying_during_a_drain_ends_it_at_once(start_server) -> None:
+    """SIGTERM lets running requests finish within --shutdown-timeout (60 s here); once the
+    scheduler has died, none can, and each is answered at once."""
+    server = start_server("--max-kv-tokens", "4096", "--shutdown-timeout", "60")
+    with _draining(server, lambda: server.proc.send_signal(signal.SIGTERM)) as stream:
+        os.kill(server.child("scheduler-0"), signal.SIGKILL)
+        killed = time.monotonic()
+    answer = stream.result()
+    assert answer.status == 200 and answer.done, answer
+    assert "the engine stopped" in check_error_body(answer.events[-1])["message"]
     assert server.wait_exit(timeout=15) == 0  # it was asked to stop
     assert time.monotonic() - killed < 20
 
