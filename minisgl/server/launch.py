@@ -18,11 +18,10 @@ On SIGINT or SIGTERM it lets the API servers (and the router) drain (--shutdown-
 stops the rest; the other children ignore both, so a signal sent to the whole process group
 (a terminal's Ctrl-C, systemd's stop) drains too. Once a process has died, no open request of its
 server can finish: that API server answers each with a 503 at once (SIGUSR1), the launcher stops
-the rest and exits 1; under --shell, a reply
-under way gets that error and the shell ends at the next line. The children talk over abstract
-sockets (the TP ranks among themselves over torch.distributed) and die with the launcher, however
-it ends: nothing is left behind. This module imports nothing heavy: each child imports only its
-own entry point.
+the rest and exits 1; under --shell, a reply under way gets that error and the shell ends at the
+next line. The children talk over abstract sockets (the TP ranks among themselves over
+torch.distributed) and die with the launcher, however it ends: nothing is left behind. This
+module imports nothing heavy: each child imports only its own entry point.
 """
 
 import contextlib
