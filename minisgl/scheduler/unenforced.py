@@ -57,8 +57,7 @@ _INT64 = 2**63
 _SAFE_ESCAPES = frozenset("dDwWsSbB" + "".join(c for c in string.punctuation if c not in '"\\'))
 # escapes xgrammar reads as the letter itself, with a warning: `\Z`, `\A` (Python's anchors), `\z`,
 # `\h`, `\N{DASH}`, ...; `\U` but before 8 hex digits (`\U0001F600`: the code point)
-_LETTER_ESCAPES = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTVXYZ")
-_LETTER_U = re.compile(r"\\U(?![0-9a-fA-F]{8})")
+_LETTER_ESCAPE = re.compile(r"\\(?:[ghijlmoqyzACEFGHIJKLMNOQRTVXYZ]|U(?![0-9a-fA-F]{8}))")
 _REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)
 
 
@@ -187,7 +186,7 @@ def misread_in_regex(pattern: str) -> str | None:
     `a^b` matches nothing, xgrammar's "ab"); None if nothing."""
     i = 0
     while (i := pattern.find("\\", i)) >= 0:
-        if pattern[i + 1 : i + 2] in _LETTER_ESCAPES or _LETTER_U.match(pattern, i):
+        if _LETTER_ESCAPE.match(pattern, i):
             return f"the escape {pattern[i : i + 2]}, which xgrammar reads as its letter"
         i += 2
     try:
