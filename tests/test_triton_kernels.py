@@ -181,8 +181,8 @@ def test_extend_blocks_come_most_keys_first():
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("heads", [0, 1])
+# the page size only moves where keys are read, which each program does alike in both head modes
+@pytest.mark.parametrize(("page_size", "heads"), [(1, 0), (16, 0), (16, 1)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_matches_reference_for_any_split_count(
     num_splits, page_size, heads, dtype

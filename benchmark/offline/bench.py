@@ -96,7 +96,12 @@ def sampling_params(workload: Workload, temperature: float) -> list[SamplingPara
 def run_hf(args: argparse.Namespace, workload: Workload, device: torch.device) -> Row:
     """HF transformers' continuous batching (`generate_batch`) on the same prompts, random weights,
     one max_new_tokens for all: the workload's mean output length."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        ContinuousBatchingConfig,
+        GenerationConfig,
+    )
 
     prompts = workload.prompts[: args.hf_requests]
     config = AutoConfig.from_pretrained(args.model)
@@ -106,12 +111,20 @@ def run_hf(args: argparse.Namespace, workload: Workload, device: torch.device) -
     sampling: dict[str, Any] = {"do_sample": False}
     if args.temperature > 0:  # top_k=0: no top-k filter, as in our SamplingParams default
         sampling = {"do_sample": True, "temperature": args.temperature, "top_k": 0, "top_p": 1.0}
+    max_new_tokens = round(statistics.mean(workload.output_lens))
     generation = GenerationConfig(
-        max_new_tokens=round(statistics.mean(workload.output_lens)),
+        max_new_tokens=max_new_tokens,
         eos_token_id=None,  # None: generate_batch disables EOS, as ignore_eos does for us
         **sampling,
     )
-    outputs = list(model.eval().generate_batch(prompts, generation_config=generation).values())
+    # room for every request at once, twice over: sized by free memory it takes ~8 GB of a CPU's RAM
+    page_size = 256
+    pages = sum(-(-(len(prompt) + max_new_tokens) // page_size) for prompt in prompts)
+    batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=2 * pages)
+    outputs = model.eval().generate_batch(
+        prompts, generation_config=generation, continuous_batching_config=batching
+    )
+    outputs = list(outputs.values())
     errors = [o.error for o in outputs if o.error is not None]
     if len(outputs) != len(prompts) or errors:
         raise RuntimeError(
