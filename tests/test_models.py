@@ -340,6 +340,17 @@ def test_qwen2s_window_caps_the_context_only_if_a_layer_slides(
         # its generate caches Llama 4's attention chunks as a window (it was left uncapped)
         (LlamaConfig(attention_chunk_size=128), 128),
         (LlamaConfig(attention_chunk_size=512, sliding_window=256), 256),
+        # Hugging Face's Qwen3-MoE slides on every layer, whatever layer_types says (it was
+        # left uncapped, and its tokens differed from HF's past the window)
+        (
+            Qwen3MoeConfig(
+                num_hidden_layers=2,
+                use_sliding_window=True,
+                sliding_window=256,
+                layer_types=["full_attention"] * 2,
+            ),
+            256,
+        ),
     ],
 )
 def test_the_span_hugging_face_attends_over_caps_the_context(config, positions: int) -> None:

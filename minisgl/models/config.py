@@ -16,6 +16,8 @@ class ArchTraits:
     # config flags that give Hugging Face's model biases we do not model (attention_bias puts one
     # on o_proj too): refused when true, not dropped
     bias_flags: tuple[str, ...] = ()
+    # its sliding window is on the layers `layer_types` names (Qwen3-MoE's never reads them)
+    window_by_layer_types: bool = True
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -23,7 +25,9 @@ ARCHITECTURES: dict[str, ArchTraits] = {
     "MistralForCausalLM": ArchTraits(),  # its attention_bias is never read by Hugging Face
     "Qwen2ForCausalLM": ArchTraits(qkv_bias=True),
     "Qwen3ForCausalLM": ArchTraits(qk_norm=True, bias_flags=("attention_bias",)),
-    "Qwen3MoeForCausalLM": ArchTraits(qk_norm=True, moe=True, bias_flags=("attention_bias",)),
+    "Qwen3MoeForCausalLM": ArchTraits(
+        qk_norm=True, moe=True, bias_flags=("attention_bias",), window_by_layer_types=False
+    ),
 }
 
 
@@ -102,7 +106,7 @@ class ModelConfig:
         if biased := [flag for flag in traits.bias_flags if getattr(config, flag, False)]:
             raise ConfigError(f"unsupported {arch} setting {', '.join(biased)}: true")
         rope_theta, rope_scaling = _rope_settings(config)
-        max_positions = _max_positions(config)
+        max_positions = _max_positions(config, traits)
         return cls(
             architecture=arch,
             num_layers=config.num_hidden_layers,
@@ -123,15 +127,15 @@ class ModelConfig:
         )
 
 
-def _max_positions(config: PretrainedConfig) -> int:
+def _max_positions(config: PretrainedConfig, traits: ArchTraits) -> int:
     """The longest context: max_position_embeddings, capped where some layer attends over fewer
     positions back (sliding-window and chunked attention are not implemented). A sliding window,
-    on the layers its `layer_types` say where the config has them (Qwen2's windows start at layer
-    max_window_layers), else on every layer once it is set (the Qwen configs clear it where
-    use_sliding_window is off; Mistral's never reads that); Llama 4's attention chunks, which
-    Hugging Face's generate caches as a window."""
+    on the layers its `layer_types` say where the config has them and the architecture reads
+    them (Qwen2's windows start at layer max_window_layers), else on every layer once it is set
+    (the Qwen configs clear it where use_sliding_window is off; Mistral's never reads that);
+    Llama 4's attention chunks, which Hugging Face's generate caches as a window."""
     spans = [config.max_position_embeddings, getattr(config, "attention_chunk_size", None)]
-    layer_types = getattr(config, "layer_types", None)
+    layer_types = getattr(config, "layer_types", None) if traits.window_by_layer_types else None
     if layer_types is None or "sliding_attention" in layer_types:
         spans.append(getattr(config, "sliding_window", None))
     return min(span for span in spans if span)
