@@ -134,10 +134,13 @@ def test_a_call_start_undecided_past_the_limit_is_content_however_streamed() -> 
 
 
 def test_a_call_cut_short_is_closed() -> None:
-    content, calls = _same_however_split(
-        HermesToolParser, '<tool_call>{"name": "f", "arguments": {"q": ["a", "b'
-    )
-    assert content is None and json.loads(calls[0]["arguments"]) == {"q": ["a", "b"]}
+    for parser, text in (
+        (HermesToolParser, '<tool_call>{"name": "f", "arguments": {"q": ["a", "b'),
+        # a named choice's as well (its arguments were left open)
+        (lambda: NamedToolParser("f"), '{"q": ["a", "b'),
+    ):
+        content, calls = _same_however_split(parser, text)
+        assert content is None and json.loads(calls[0]["arguments"]) == {"q": ["a", "b"]}
     # a block with no arguments at all is a call without arguments
     content, calls = _same_however_split(HermesToolParser, '<tool_call>{"name": "g"}</tool_call>')
     assert calls == [{"name": "g", "arguments": "{}"}]
@@ -149,6 +152,7 @@ def test_a_call_cut_where_no_closing_makes_json_keeps_its_text(cut: str) -> None
     for parser, text in (
         (HermesToolParser, f'<tool_call>{{"name": "f", "arguments": {cut}'),
         (JsonArrayToolParser, f'[{{"name": "f", "parameters": {cut}'),
+        (lambda: NamedToolParser("f"), cut),
     ):
         assert _same_however_split(parser, text) == (None, [{"name": "f", "arguments": cut}])
 

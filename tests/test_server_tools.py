@@ -116,6 +116,8 @@ def _reply(server: ServerProcess, stream: bool, **kwargs) -> list[dict[str, Any]
             got = choices.setdefault(c.index, {"reasoning": "", "content": "", "calls": {}})
             got["reasoning"] += getattr(c.delta, "reasoning_content", None) or ""
             got["content"] += c.delta.content or ""
+            indices = [t.index for t in c.delta.tool_calls or []]
+            assert len(set(indices)) == len(indices), chunk  # one entry per call, as OpenAI's
             for t in c.delta.tool_calls or []:
                 if t.index not in got["calls"]:  # a call's first delta: its id and name
                     assert t.id.startswith("call_") and t.type == "function" and t.function.name

@@ -267,7 +267,7 @@ class ChatFormat(ReplyFormat):
             if content:
                 message["content"] = content
             if calls:
-                message["tool_calls"] = [c.as_json() for c in calls]
+                message["tool_calls"] = merge_calls(calls, whole=False)
             return message
         message = {"content": content or None}
         if parser.reasoning is not None:

@@ -46,16 +46,19 @@ class CallDelta:
         return {"index": self.index, "id": self.id, "type": "function", "function": function}
 
 
-def merge_calls(deltas: list[CallDelta]) -> list[dict[str, Any]]:
-    """The whole calls (message.tool_calls) the deltas make up."""
-    calls: list[dict[str, Any]] = []
+def merge_calls(deltas: list[CallDelta], whole: bool = True) -> list[dict[str, Any]]:
+    """One entry per call the deltas touch, in order: the whole calls (message.tool_calls), or
+    with `whole` false a chunk's delta.tool_calls, each keeping its index (OpenAI sends one entry
+    per index in a chunk)."""
+    calls: dict[int, dict[str, Any]] = {}
     for d in deltas:
-        if d.id is not None:
-            calls.append(d.as_json())
-            del calls[-1]["index"]
-        else:
+        if d.index in calls:
             calls[d.index]["function"]["arguments"] += d.arguments
-    return calls
+        else:
+            calls[d.index] = d.as_json()
+            if whole:
+                del calls[d.index]["index"]
+    return list(calls.values())
 
 
 class _Cursor:
@@ -422,9 +425,11 @@ class NamedToolParser:
     def __init__(self, name: str) -> None:
         self.name = name
         self.reply = _Reply()
+        self._args = _ValueEnd()
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         """The call begins with the reply's first text: none comes while the model thinks."""
+        self._args.feed(text)
         if not self.reply.num_calls:
             if text:
                 self.reply.new_call(self.name, text)
@@ -435,6 +440,8 @@ class NamedToolParser:
     def finish(self) -> tuple[str, list[CallDelta]]:
         if not self.reply.num_calls:  # cut short before its arguments began
             self.reply.new_call(self.name, "{}")
+        else:
+            self.reply.arguments(self._args.closing())
         return self.reply.take(final=True)
 
 
