@@ -254,6 +254,17 @@ def test_a_shard_the_index_names_but_the_directory_lacks_fails_before_loading(
         _llm(path)
 
 
+def test_an_index_naming_no_file_is_refused(checkpoint, tmp_path: Path) -> None:
+    path = _copy(
+        checkpoint("qwen3", max_shard_size="100KB", tie_word_embeddings=False), tmp_path / "m"
+    )
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = 3
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"index\.json cannot be read.*must be file names"):
+        _llm(path)
+
+
 def test_a_truncated_file_fails_before_loading(checkpoint, tmp_path: Path) -> None:
     path = _copy(checkpoint("llama"), tmp_path / "m")
     data = (path / "model.safetensors").read_bytes()

@@ -145,6 +145,8 @@ def _checkpoint_files(model_path: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             names = list(dict.fromkeys(weight_map.values()))
+            if not all(isinstance(name, str) for name in names):
+                raise TypeError("weight_map's values must be file names")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{index} cannot be read: {e!r}") from None
         files = [model_path / name for name in names]
