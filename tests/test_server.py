@@ -386,12 +386,13 @@ def test_64_concurrent_streams_each_equal_the_non_streamed_text_for_the_same_see
     assert len({text for text, _ in streamed}) == 64
 
 
-_KILLED_CLIENT_MAX_TOKENS = 2000
+_KILLED_CLIENT_MAX_TOKENS = 1500
+_KILLED_CLIENT_PROMPT = "Once upon a time, " * 60
 _KILLED_CLIENT = textwrap.dedent(
     """
     import sys, httpx
-    url, key = sys.argv[1], sys.argv[2]
-    body = {"prompt": "Once", "max_tokens": int(sys.argv[3]), "stream": True, "ignore_eos": True}
+    url, key, max_tokens, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
         for line in r.iter_lines():
@@ -405,12 +406,24 @@ def test_killed_client_aborts_its_request_and_frees_its_pages(server: ServerProc
     before = server.metrics()
     aborted = 'minisgl_requests_total{finish_reason="abort"}'
     client = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_CLIENT, server.url, API_KEY, str(_KILLED_CLIENT_MAX_TOKENS)],
+        [
+            sys.executable,
+            "-c",
+            _KILLED_CLIENT,
+            server.url,
+            API_KEY,
+            str(_KILLED_CLIENT_MAX_TOKENS),
+            _KILLED_CLIENT_PROMPT,
+        ],
         stdout=subprocess.PIPE,
     )
     assert client.stdout is not None
     assert client.stdout.readline() == b"streaming\n"
-    with server.scheduler_stopped(until=lambda m: m['minisgl_kv_pages{state="request"}'] > 0):
+    with server.scheduler_stopped(until=lambda m: m["minisgl_running_requests"] == 1) as running:
+        # its prompt's pages count as its own, though the prefix cache holds them too (they
+        # counted as cached: a full pool read as nearly empty)
+        prompt = server.post("/tokenize", json={"prompt": _KILLED_CLIENT_PROMPT}).json()["count"]
+        assert running['minisgl_kv_pages{state="request"}'] >= prompt
         client.kill()
         client.wait()
         time.sleep(ABORT_ARRIVES_S)

@@ -112,7 +112,7 @@ class SchedulerWorker:
 
     def load(self) -> SchedulerLoad:
         s, kv = self.scheduler, self.scheduler.kv
-        cached = kv.prefix_cache.num_cached_pages
+        cached = kv.prefix_cache.num_evictable_pages  # a running request's prompt pages are its
         self._last_load = time.monotonic()
         return SchedulerLoad(
             num_running=len(s.running),
