@@ -165,13 +165,15 @@ class ReqError:
 
     rid: int
     message: str
+    queued: bool = False  # False: refused before it was queued, so never counted as served
 
 
 @_wire
 @dataclass
 class SchedulerLoad:
     """A snapshot of the scheduler's state for the metrics. KV pages: request + cached + free =
-    all; request pages are held privately by requests, cached ones by the prefix cache."""
+    all; request pages are held by requests (a running prompt's too), cached ones by the prefix
+    cache alone."""
 
     num_running: int
     num_waiting: int

@@ -21,7 +21,7 @@ from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import tokenizer_library_imports_torch
 from .server_process import ABORT_ARRIVES_S, ServerProcess, process_name, wait_for
-from .stress.checks import assert_clean
+from .stress.checks import assert_clean, ended
 
 API_KEY = "test-key"
 MODEL = "stories"
@@ -498,8 +498,9 @@ def test_a_max_tokens_that_cannot_fit_is_a_400_with_the_numbers(server: ServerPr
     with vLLM's words, for completions and chat alike; omitted, chat's runs to the end."""
     prompt_tokens = server.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
     n = prompt_tokens.usage.prompt_tokens
+    before = server.metrics()
     for route, body in (
-        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100000}),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 100000, "n": 2}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                   "max_completion_tokens": 100000}),
     ):  # fmt: skip
@@ -507,6 +508,8 @@ def test_a_max_tokens_that_cannot_fit_is_a_400_with_the_numbers(server: ServerPr
         assert response.status_code == 400, response.text
         message = response.json()["error"]["message"]
         assert "maximum context length is 2048 tokens. However, you requested" in message
+    # refused before they were queued: no request ended (each choice counted as an error)
+    assert ended(before, server.metrics()) == 0
     fits = server.post(
         "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2048 - n}
     )

@@ -33,7 +33,7 @@ from minisgl.utils import DEFAULT_MODEL_PATH
 
 from .conftest import DEVICE
 from .server_process import ServerProcess
-from .stress.checks import assert_clean
+from .stress.checks import assert_clean, delta, finished
 
 MAX_KV_TOKENS = 1024  # also the context: the random Qwen3 knows 1024 positions
 SCHEMAS = [
@@ -190,6 +190,7 @@ def test_a_grammar_past_its_timeout_is_a_400_and_the_server_serves_on(
         client.completions.create(
             model="q", prompt="x", max_tokens=5, extra_body={"guided_json": COSTLY_SCHEMA}
         )
+    assert delta(before, server.metrics(), finished("error")) == 1  # queued, then ended in error
     quick = client.completions.create(
         model="q", prompt="x", max_tokens=5, extra_body={"guided_regex": "(yes|no)"}
     )

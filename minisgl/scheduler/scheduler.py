@@ -210,7 +210,7 @@ class Scheduler:
         for rid, message in ended:
             if (req := self._reqs.get(rid)) is not None:
                 self._finish(req, "abort", None)
-                self._errors.append(ReqError(rid, message))
+                self._errors.append(ReqError(rid, message, queued=True))
 
     def take_too_slow(self) -> EndRequests | None:
         """Rank 0's (or the only rank's): the requests whose matcher took a step past

@@ -241,7 +241,8 @@ class EngineClient:
             self.metrics.request_finished(finish, None if route is None else now - route.submitted)
             self._end(finish.rid, finish)
         for error in msg.errors:
-            self.metrics.request_failed()
+            if error.queued:  # a refusal at admission is no finished request, as in vLLM
+                self.metrics.request_failed()
             self._end(error.rid, error)
         if msg.load is not None:
             self.metrics.set_load(msg.load)

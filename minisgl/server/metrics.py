@@ -49,7 +49,11 @@ class Metrics:
         counter = functools.partial(Counter, registry=r)
         gauge = functools.partial(Gauge, registry=r)
         latency = functools.partial(Histogram, buckets=_LATENCY_BUCKETS, registry=r)
-        self.requests = counter("minisgl_requests", "Finished requests", ["finish_reason"])
+        self.requests = counter(
+            "minisgl_requests",
+            "Finished requests (error: ended in error once queued; refusals are not counted)",
+            ["finish_reason"],
+        )
         self.prompt_tokens = counter("minisgl_prompt_tokens", "Prompt tokens of finished requests")
         self.cached_prompt_tokens = counter(
             "minisgl_cached_prompt_tokens",
