@@ -119,6 +119,17 @@ def test_a_call_in_another_shape_is_read_whole_once_its_block_closes(block: str)
     assert [d.name for d in parser.feed("}</tool_call>")[1]] == ["get_weather"]
 
 
+def test_a_call_read_whole_keeps_its_integers_exact_and_refuses_what_is_no_json() -> None:
+    """orjson read an integer past 64 bits as a float (1.2345678901234569e+23); json's NaN is
+    no JSON: that block is content."""
+    block = '{"arguments": {"id": 123456789012345678901234}, "name": "f"}'
+    _, calls = _same_however_split(HermesToolParser, f"<tool_call>{block}</tool_call>")
+    assert calls == [{"name": "f", "arguments": '{"id": 123456789012345678901234}'}]
+    for value in ("NaN", '"\\ud800"'):
+        text = f'<tool_call>{{"arguments": {{"a": {value}}}, "name": "f"}}</tool_call>'
+        assert _same_however_split(HermesToolParser, text) == (text, [])
+
+
 def test_a_call_start_undecided_past_the_limit_is_content_however_streamed() -> None:
     """A call's start is decided within MAX_UNDECIDED characters: each token re-read the text
     held so far (40,000 characters of `<tool_call>` and spaces: 14.8 s), and a streamed reply

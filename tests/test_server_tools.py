@@ -17,7 +17,7 @@ import xgrammar
 from minisgl.core import SamplingParams
 from minisgl.messages import TokenizeRequest, decode, encode
 from minisgl.server.cli import parse_args
-from minisgl.server.protocol import ChatCompletionRequest
+from minisgl.server.protocol import ChatCompletionRequest, ChatMessage
 from minisgl.server.tool_parser import HermesToolParser
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 
@@ -457,6 +457,30 @@ def test_required_calls_keep_the_tools_references_where_they_point() -> None:
     )
     schema = json.loads(request.sampling_params({}).structured.json_schema)
     assert schema["items"]["anyOf"][0]["properties"]["parameters"] == const
+
+
+@pytest.mark.parametrize(
+    ("arguments", "given"),
+    [
+        ('{"a": 1, "b": [2.5, "x"]}', {"a": 1, "b": [2.5, "x"]}),
+        (
+            "",
+            {},
+        ),  # as vLLM's: none written is an empty object (the template wrote `"arguments": }`)
+        ("  ", {}),
+        ("[1, 2]", "[1, 2]"),  # no object: as written
+        ("{oops", "{oops"),
+        # an integer past 64 bits went in as a float; as text the template writes it as sent
+        ('{"a": 18446744073709551616}', '{"a": 18446744073709551616}'),
+        ('{"a": NaN}', '{"a": NaN}'),
+    ],
+)
+def test_the_template_gets_an_earlier_calls_arguments_as_an_object_where_json_allows(
+    arguments: str, given: object
+) -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    message = ChatMessage(role="assistant", content=None, tool_calls=[call])
+    assert message.as_template_input()["tool_calls"][0]["function"]["arguments"] == given
 
 
 def test_client_json_keys_cross_the_wire_unchanged() -> None:

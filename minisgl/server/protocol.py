@@ -39,6 +39,7 @@ from minisgl.core import (
 )
 
 from .errors import ApiError
+from .tool_parser import loads_exact
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -327,11 +328,15 @@ class FunctionCall(_Strict):
     arguments: str  # JSON text, as the model wrote it (not always valid)
 
     def template_arguments(self) -> Any:
-        """As an object, as vLLM passes them (templates write them with tojson); text that is no
-        JSON object stays text."""
+        """As an object, as vLLM passes them (templates write them with tojson; none written is
+        an empty one); text that is no JSON object stays text, as does one that no message can
+        carry exactly (an integer past 64 bits, a lone surrogate: orjson cannot write them)."""
+        if not self.arguments.strip():
+            return {}
         try:
-            arguments = orjson.loads(self.arguments)
-        except orjson.JSONDecodeError:
+            arguments = loads_exact(self.arguments)
+            orjson.dumps(arguments)
+        except (ValueError, RecursionError, orjson.JSONEncodeError):
             return self.arguments
         return arguments if isinstance(arguments, dict) else self.arguments
 

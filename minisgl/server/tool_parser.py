@@ -125,17 +125,30 @@ def call_header(text: str, arg_keys: tuple[str, ...]) -> tuple[str, int] | bool 
     return name, c.pos - 1
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_exact(text: str) -> Any:
+    """JSON text as Python values, integers exact (orjson reads one past 64 bits as a float:
+    18446744073709551616 became 1.8446744073709552e+19); raises ValueError for text that is no
+    JSON, NaN and Infinity included (json's extensions), and RecursionError if nested too deep."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
 def whole_call(text: str) -> tuple[str, str] | None:
     """The name and the arguments' JSON of a call object in any key order, its arguments an
     object or a string holding one; None when `text` is no such object."""
-    try:  # orjson refuses a lone surrogate, which no reply could carry
-        call = orjson.loads(text)
+    try:
+        call = loads_exact(text)
         arguments = call.get("arguments", call.get("parameters", {}))
         if isinstance(arguments, str):
-            arguments = orjson.loads(arguments)
+            arguments = loads_exact(arguments)
         if not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
             return None
-        return call["name"], json.dumps(arguments, ensure_ascii=False)
+        written = json.dumps(arguments, ensure_ascii=False)
+        written.encode()  # raises for a lone surrogate (an escape), which no reply can carry
+        return call["name"], written
     except (ValueError, AttributeError, RecursionError):  # not JSON, no object, nested too deep
         return None
 
