@@ -58,6 +58,18 @@ def _schema_depth(schema: object) -> int:
 
 
 @dataclass(frozen=True)
+class PromptOptions:
+    """How a prompt becomes ids, as vLLM's request fields say: whether the tokenizer adds its
+    special tokens (BOS; None: for a text, not for a chat, whose template writes its own), and how
+    a chat ends: the assistant's turn opened (add_generation_prompt), or the final message left
+    open for the model to go on with (continue_final_message)."""
+
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+@dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on the output text, compiled to a grammar in the scheduler process (xgrammar).
     Exactly one kind is set. With `after` (one token of the model's vocabulary: a reasoning

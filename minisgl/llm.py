@@ -25,7 +25,7 @@ from minisgl.config import (
     offline_chunk_size,
     split_overrides,
 )
-from minisgl.core import SamplingParams, choice_params
+from minisgl.core import PromptOptions, SamplingParams, choice_params
 from minisgl.engine.preflight import check_engine_config
 from minisgl.messages import (
     AbortRequest,
@@ -231,15 +231,28 @@ class LLM:
         use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[dict[str, Any]]:
         """`generate` on one conversation (or a list of them) in OpenAI's message format (text
         parts, tool calls, ...), rendered with the model's chat template, its tools and its own
-        variables, as the server's /v1/chat/completions renders it; raises ValueError for a
+        variables, as the server's /v1/chat/completions renders it (vLLM's LLM.chat: the
+        assistant's turn opened, or the final message continued); raises ValueError for a
         message the server would refuse."""
         chats = [messages] if messages and isinstance(messages[0], dict) else messages
+        options = PromptOptions(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
         ids = [
             prompt_ids(
-                self.tokenizer, None, template_messages(chat), None, tools, chat_template_kwargs
+                self.tokenizer,
+                None,
+                template_messages(chat),
+                None,
+                tools,
+                chat_template_kwargs,
+                options,
             )
             for chat in chats
         ]

@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from minisgl.core import FinishReason, SamplingParams, StructuredOutput
+from minisgl.core import FinishReason, PromptOptions, SamplingParams, StructuredOutput
 
 _WIRE_TYPES: dict[str, type] = {}
 
@@ -38,6 +38,7 @@ def _wire(cls: type) -> type:
 
 _wire(SamplingParams)
 _wire(StructuredOutput)
+_wire(PromptOptions)
 
 
 # ---------------------------------------------------------------------- API server -> tokenizer
@@ -54,6 +55,7 @@ class TokenizeRequest:
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None
+    options: PromptOptions = field(default_factory=PromptOptions)
     # the params' max_tokens is the route's default, not the client's: bounded by the room each
     # prompt leaves in the context (vLLM's), not refused for it
     default_max_tokens: bool = False
@@ -82,6 +84,8 @@ class TokenizerQuery:
     ids: list[int] | None = None
     tools: list[dict[str, Any]] | None = None  # a chat's, as TokenizeRequest's
     template_kwargs: dict[str, Any] | None = None
+    options: PromptOptions = field(default_factory=PromptOptions)
+    token_strs: bool = False  # the answer has each id's token string too (vLLM's)
 
 
 @_wire
@@ -89,6 +93,7 @@ class TokenizerQuery:
 class TokenizerAnswer:
     qid: int
     ids: list[int] | None = None
+    token_strs: list[str] | None = None
     text: str | None = None
     error: str | None = None
 

@@ -4,13 +4,10 @@ feeds it."""
 import asyncio
 import time
 
-import pytest
 import zmq
 
-from minisgl.core import SamplingParams
-from minisgl.messages import Addresses, Heartbeat, Ready, TokenizeRequest, connect_push, send
+from minisgl.messages import Addresses, Heartbeat, Ready, connect_push, send
 from minisgl.server.engine_client import EngineClient
-from minisgl.server.errors import ApiError
 from minisgl.server.metrics import Metrics
 
 
@@ -41,18 +38,3 @@ def test_a_backlog_of_messages_lets_the_other_handlers_run_between_them() -> Non
 
     while_draining, drained = asyncio.run(scenario())
     assert while_draining and drained
-
-
-def test_a_request_that_cannot_be_packed_holds_no_place_in_the_queue() -> None:
-    """Template variables nested past msgpack's limit are a 400, and the queue's one place is
-    still free for the next request (its routes were taken before the packing failed)."""
-    client = EngineClient(Addresses.new(), Metrics(), max_queued=1)
-    deep: object = 1
-    for _ in range(1100):
-        deep = {"a": deep}
-    with pytest.raises(ApiError, match="nests too deep") as refused:
-        client.submit(TokenizeRequest([0], [SamplingParams()], ["x"], template_kwargs={"d": deep}))
-    assert refused.value.status == 400
-    client.submit(TokenizeRequest([1], [SamplingParams()], ["x"]))
-    with pytest.raises(ApiError, match="too many requests"):  # the one place is taken now
-        client.submit(TokenizeRequest([2], [SamplingParams()], ["x"]))

@@ -31,14 +31,20 @@ HONOURED = {
     "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["yes", "no"],
     "guided_grammar": 'root ::= "x"',
     "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False,
-    "chat_template_kwargs": {"enable_thinking": False},
+    "chat_template_kwargs": {"enable_thinking": False}, "add_special_tokens": False,
+    "add_generation_prompt": False, "continue_final_message": True,
 }  # fmt: skip
-CHAT_ONLY = {"chat_template_kwargs"}  # honoured by chat, refused by completions (vLLM's extra)
+# honoured by chat, refused by completions (vLLM's extras)
+CHAT_ONLY = {"chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
 # the other fields an honoured one needs
 HONOURED_WITH = {
     "stream_options": {"stream": True},
     "tool_choice": {"tools": [TOOL]},
     "parallel_tool_calls": {"tools": [TOOL], "tool_choice": "required"},
+    "continue_final_message": {
+        "add_generation_prompt": False,
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "A"}],
+    },
 }
 # vLLM's extra request fields (those HONOURED names are implemented)
 VLLM_EXTRAS = (

@@ -493,6 +493,25 @@ def test_a_stop_string_in_the_first_token_ends_the_reply_there(server: ServerPro
     assert done.choices[0].text == " there" and done.usage.completion_tokens == 2
 
 
+def test_add_special_tokens_gives_or_leaves_out_the_bos(server: ServerProcess) -> None:
+    """vLLM's field: the embedded model's tokenizer adds a BOS to a text (the default for a
+    completion), and its chat template writes one itself (none added: the default for a chat)."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    counts = {}
+    for route, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", chat)):
+        for special in (True, False):
+            fields = {"model": MODEL, "max_tokens": 1, "add_special_tokens": special, **body}
+            reply = server.post(route, json=fields).json()
+            counts[route, special] = reply["usage"]["prompt_tokens"]
+            tokens = server.post("/tokenize", json={**body, "add_special_tokens": special}).json()
+            assert tokens["count"] == counts[route, special]
+            assert (tokens["tokens"][:2] == [1, 1]) == (
+                special and route.endswith("chat/completions")
+            )
+    assert counts["/v1/completions", True] == counts["/v1/completions", False] + 1
+    assert counts["/v1/chat/completions", True] == counts["/v1/chat/completions", False] + 1
+
+
 def test_a_max_tokens_that_cannot_fit_is_a_400_with_the_numbers(server: ServerProcess) -> None:
     """The embedded model's context is 2,048 tokens: an explicit max_tokens past it is refused
     with vLLM's words, for completions and chat alike; omitted, chat's runs to the end."""

@@ -5,6 +5,7 @@ import httpx
 import pytest
 
 from minisgl import LLM, SamplingParams
+from minisgl.core import PromptOptions
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 from minisgl.utils import DEFAULT_MODEL_PATH
 
@@ -135,6 +136,61 @@ def test_chat_errors(server: ServerProcess, qwen3_path: str) -> None:
     assert shadow.status_code == 400 and "may not set namespace" in shadow.text
     assert post({"messages": MESSAGES, "max_tokens": 1}).status_code == 200
     assert_clean(server, before, qwen3_path)
+
+
+CONTINUED = [*MESSAGES, {"role": "assistant", "content": "Hello, I am"}]
+
+
+@pytest.mark.parametrize(
+    ("messages", "fields"),
+    [
+        (MESSAGES, {}),
+        (CONTINUED, {"add_generation_prompt": False}),
+        (CONTINUED, {"add_generation_prompt": False, "continue_final_message": True}),
+        (MESSAGES, {"add_special_tokens": True}),
+    ],
+)
+def test_vllms_rendering_fields_shape_the_prompt_of_chat_tokenize_and_llm_chat(
+    server: ServerProcess, llm: LLM, qwen3_path: str, messages: list, fields: dict
+) -> None:
+    """The reply is the offline engine's on the prompt the fields give: the assistant's turn
+    opened (the default), not, or the final message left open for the model to go on with;
+    /tokenize counts the same prompt, and LLM.chat takes the same two chat ends."""
+    options = PromptOptions(**fields)
+    ids = prompt_ids(llm.tokenizer, None, messages, options=options)
+    text = llm.tokenizer.decode(ids)
+    ends = {
+        (): "<|im_start|>assistant\n",
+        ("add_generation_prompt",): "Hello, I am<|im_end|>\n",
+        ("add_generation_prompt", "continue_final_message"): "Hello, I am",
+        ("add_special_tokens",): "<|im_start|>assistant\n",
+    }
+    assert text.endswith(ends[tuple(fields)]), text
+    params = SamplingParams(seed=5, max_tokens=6)
+    want = llm.generate([ids], params, use_tqdm=False)[0]
+    got = server.client().chat.completions.create(
+        model=qwen3_path, messages=messages, seed=5, max_tokens=6, extra_body=fields
+    )
+    assert (got.choices[0].message.content, got.usage.prompt_tokens) == (want["text"], len(ids))
+    tokenized = server.post("/tokenize", json={"messages": messages, **fields}).json()
+    assert tokenized["tokens"] == ids
+    if "add_special_tokens" not in fields:
+        offline = llm.chat(messages, params, use_tqdm=False, **fields)[0]
+        assert offline["token_ids"] == want["token_ids"]
+
+
+def test_the_chat_ends_are_refused_together_and_on_a_text_prompt(server: ServerProcess) -> None:
+    both = {"add_generation_prompt": True, "continue_final_message": True}
+    refused = server.post("/v1/chat/completions", json={"messages": CONTINUED, **both})
+    assert refused.status_code == 400 and "not compatible" in refused.text
+    on_text = server.post("/tokenize", json={"prompt": "Hi", "add_generation_prompt": False})
+    assert on_text.status_code == 400 and "add_generation_prompt: a chat's" in on_text.text
+
+
+def test_tokenize_gives_token_strings_on_request(server: ServerProcess, llm: LLM) -> None:
+    got = server.post("/tokenize", json={"prompt": "你好 world", "return_token_strs": True}).json()
+    assert got["token_strs"] == llm.tokenizer.convert_ids_to_tokens(got["tokens"])
+    assert "token_strs" not in server.post("/tokenize", json={"prompt": "Hi"}).json()
 
 
 def test_chat_template_bos_is_not_doubled() -> None:

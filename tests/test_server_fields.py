@@ -147,12 +147,8 @@ def test_min_tokens_with_a_stop_id_past_the_vocabulary_is_served(server: ServerP
 
 # what vllm-router writes into every body it forwards (test_data_parallel.py serves through it)
 SGLANG_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False}
-SGLANG_CHAT_FIELDS = {
-    **SGLANG_FIELDS,
-    "continue_final_message": False,
-    "separate_reasoning": True,
-    "stream_reasoning": True,
-}
+SGLANG_CHAT_FIELDS = {**SGLANG_FIELDS, "separate_reasoning": True, "stream_reasoning": True}
+ROUTER_CHAT_FIELDS = {"continue_final_message": False}  # vLLM's too: honoured either way
 
 
 def test_sglangs_fields_are_served_with_minisgls_values_and_refused_with_others(
@@ -161,12 +157,12 @@ def test_sglangs_fields_are_served_with_minisgls_values_and_refused_with_others(
     completion = {"model": "m", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     chat = {**completion, "messages": [{"role": "user", "content": PROMPT}]}
     del chat["prompt"]
-    for route, body, fields in [
-        ("/v1/completions", completion, SGLANG_FIELDS),
-        ("/v1/chat/completions", chat, SGLANG_CHAT_FIELDS),
+    for route, body, fields, also in [
+        ("/v1/completions", completion, SGLANG_FIELDS, {}),
+        ("/v1/chat/completions", chat, SGLANG_CHAT_FIELDS, ROUTER_CHAT_FIELDS),
     ]:
         plain = server.post(route, json=body).json()["choices"]
-        assert server.post(route, json={**body, **fields}).json()["choices"] == plain
+        assert server.post(route, json={**body, **fields, **also}).json()["choices"] == plain
         for name, value in fields.items():
             refused = server.post(route, json={**body, name: not value})
             assert refused.status_code == 400 and name in refused.json()["error"]["message"]
@@ -229,10 +225,13 @@ def test_a_schema_nested_past_the_limit_is_a_400(server: ServerProcess, fields) 
     assert _text(server, max_tokens=4).text  # served on
 
 
-def test_a_chat_nested_past_what_passes_to_the_tokenizer_is_a_400(server: ServerProcess) -> None:
-    """A tool call's arguments, JSON text the template gets parsed, may nest as deep as the
-    body's own parser allows: past what the message to the tokenizer process packs (a 500 and a
-    request held open for good before)."""
+def test_a_chat_nested_as_deep_as_a_body_may_is_served_or_refused_and_the_server_serves_on(
+    server: ServerProcess,
+) -> None:
+    """A tool call's arguments, JSON text read apart from the body, may nest past what the message
+    to the tokenizer process packs (a 500 and a request held open for good, then a 400): they
+    reach the template as the text they were sent as. A template variable nests as deep as the
+    body may (1,024), which the template's rendering refuses."""
     deep = '{"a":' * 1020 + "1" + "}" * 1020
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
     messages = [
@@ -242,8 +241,11 @@ def test_a_chat_nested_past_what_passes_to_the_tokenizer_is_a_400(server: Server
     ]
     chat = {"model": "m", "messages": messages}
     for path, body in [("/v1/chat/completions", {**chat, "max_tokens": 2}), ("/tokenize", chat)]:
-        r = server.post(path, json=body)
-        assert r.status_code == 400 and "nests too deep" in r.json()["error"]["message"], r.text
+        assert server.post(path, json=body).status_code == 200
+        nested = json.dumps({**body, "messages": messages[:1], "chat_template_kwargs": {"x": 0}})
+        nested = nested.replace('{"x": 0}', '{"x": ' + deep + "}")
+        r = server.post(path, content=nested, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "recursion" in r.json()["error"]["message"], r.text
     assert _text(server, max_tokens=4).text  # served on
 
 

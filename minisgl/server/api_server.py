@@ -238,12 +238,16 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         messages = None if body.messages is None else [m.as_template_input() for m in body.messages]
         query = TokenizerQuery(
             client.new_rids(1)[0], body.prompt, messages, tools=template_tools(body.tools),
-            template_kwargs=body.chat_template_kwargs,
+            template_kwargs=body.chat_template_kwargs, options=body.prompt_options(),
+            token_strs=body.return_token_strs,
         )  # fmt: skip
-        ids = (await ask(request, query)).ids
-        assert ids is not None
+        answer = await ask(request, query)
+        assert answer.ids is not None
         limit = engine_limits().max_seq_len
-        return json_response({"count": len(ids), "max_model_len": limit, "tokens": ids})
+        reply = {"count": len(answer.ids), "max_model_len": limit, "tokens": answer.ids}
+        if answer.token_strs is not None:
+            reply["token_strs"] = answer.token_strs
+        return json_response(reply)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -259,7 +263,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(
             client.new_rids(len(prompts) * body.n), choices, prompts,
-            default_max_tokens=body.max_tokens is None,
+            options=body.prompt_options(), default_max_tokens=body.max_tokens is None,
             max_prompt_logprobs=args.limits.max_prompt_logprobs, prompt_logprobs_copies=body.n,
         )  # fmt: skip
         echo = None
@@ -288,7 +292,8 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         choices = choice_params(params, body.n)
         tokenize = TokenizeRequest(
             client.new_rids(body.n), choices, messages=messages, tools=template_tools(body.tools),
-            template_kwargs=body.chat_template_kwargs, default_max_tokens=params.max_tokens is None,
+            template_kwargs=body.chat_template_kwargs, options=body.prompt_options(),
+            default_max_tokens=params.max_tokens is None,
             max_prompt_logprobs=args.limits.max_prompt_logprobs,
         )  # fmt: skip
         return await generate(

@@ -84,15 +84,6 @@ class _Route:
     last_token: float | None = None
 
 
-def _encoded(msg: TokenizeRequest | TokenizerQuery) -> bytes:
-    """A request as it goes to the tokenizer process; a client's JSON nested past what msgpack
-    packs (a tool call's arguments, a template variable) is a 400."""
-    try:
-        return encode(msg)
-    except ValueError as e:  # msgpack's "recursion limit exceeded"
-        raise ApiError(400, f"the request nests too deep to pass on: {e}") from None
-
-
 class EngineClient:
     def __init__(
         self, addresses: Addresses, metrics: Metrics, max_queued: int | None = None
@@ -133,7 +124,7 @@ class EngineClient:
             raise ApiError(
                 429, "too many requests are waiting; try again later", headers={"Retry-After": "1"}
             )
-        payload = _encoded(request)  # before anything is held for it
+        payload = encode(request)
         group = ReqGroup(request.rids)
         now = time.monotonic()
         for index, rid in enumerate(request.rids):
@@ -146,7 +137,7 @@ class EngineClient:
 
     async def ask(self, query: TokenizerQuery) -> TokenizerAnswer:
         """The tokenizer's answer to a query made with `new_rids(1)[0]` as its qid."""
-        payload = _encoded(query)
+        payload = encode(query)
         future = asyncio.get_running_loop().create_future()
         self._queries[query.qid] = future
         self._to_tokenizer.send(payload, copy=False)

@@ -34,6 +34,7 @@ from minisgl.core import (
     INT64_MAX,
     INT64_MIN,
     InvalidSamplingParam,
+    PromptOptions,
     SamplingParams,
     StructuredOutput,
 )
@@ -300,6 +301,10 @@ class CompletionRequest(_GenerateRequest):
     max_tokens: Int64 | None = None
     logprobs: Int64 | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
+
+    def prompt_options(self) -> PromptOptions:
+        return PromptOptions(add_special_tokens=self.add_special_tokens)
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt per entry: a text, or token ids."""
@@ -487,21 +492,40 @@ def _rebased(schema: Any, base: str) -> Any:
     return rebased
 
 
-class TokenizeBody(_Body):
+class _Rendering(_Strict):
+    """vLLM's fields on how a prompt becomes ids (PromptOptions); add_special_tokens unset: BOS
+    for a text, none for a chat (its template writes its own)."""
+
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def prompt_options(self) -> PromptOptions:
+        return PromptOptions(
+            self.add_special_tokens, self.add_generation_prompt, self.continue_final_message
+        )
+
+
+class TokenizeBody(_Body, _Rendering):
     """POST /tokenize, as vLLM's: a prompt, or messages rendered with the chat template, with the
-    tools and the template's own variables a chat request would give it (its prompt's count)."""
+    tools and the template's own variables a chat request would give it (its prompt's count);
+    return_token_strs adds each id's token string."""
 
     prompt: str | None = None
     messages: List[ChatMessage] | None = None
     tools: List[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _a_prompt_or_a_chat(self) -> "TokenizeBody":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give a prompt or messages")
-        if self.prompt is not None and (self.tools or self.chat_template_kwargs):
-            raise ValueError("tools and chat_template_kwargs are a chat's: give messages")
+        chat_only = {
+            "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"
+        } & self.model_fields_set  # fmt: skip
+        if self.prompt is not None and chat_only:
+            raise ValueError(f"{', '.join(sorted(chat_only))}: a chat's; give messages")
         return self
 
 
@@ -509,7 +533,7 @@ class DetokenizeBody(_Body):
     tokens: List[TokenId]
 
 
-class ChatCompletionRequest(_GenerateRequest):
+class ChatCompletionRequest(_GenerateRequest, _Rendering):
     messages: List[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Int64 | None = None
@@ -519,9 +543,8 @@ class ChatCompletionRequest(_GenerateRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: True, as OpenAI's
     chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables
-    # SGLang's, as in _GenerateRequest: the reply is the model's next message, with any
-    # reasoning streamed apart from its content (by --reasoning-parser)
-    continue_final_message: Literal[False] = False
+    # SGLang's, as in _GenerateRequest: any reasoning is streamed apart from the content (by
+    # --reasoning-parser)
     separate_reasoning: Literal[True] = True
     stream_reasoning: Literal[True] = True
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply

@@ -10,6 +10,7 @@ import jinja2
 from transformers import PreTrainedTokenizerFast
 
 from minisgl.config import ConfigError
+from minisgl.core import PromptOptions
 
 Tokenizer = PreTrainedTokenizerFast
 # what apply_chat_template sets itself, and the globals of its Jinja environment (Jinja's own,
@@ -43,6 +44,9 @@ def load_tokenizer(model_path: Path) -> Tokenizer:
     return PreTrainedTokenizerFast.from_pretrained(str(model_path))
 
 
+DEFAULT_PROMPT_OPTIONS = PromptOptions()
+
+
 def prompt_ids(
     tokenizer: Tokenizer,
     prompt: str | list[int] | None,
@@ -50,10 +54,11 @@ def prompt_ids(
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
 ) -> list[int]:
     """A prompt (text or ids), or a chat rendered with the chat template (chat_template: one
     given instead of the model's; tools and template_kwargs, the template's own variables, passed
-    to it), as token ids; raises ValueError if it cannot be built."""
+    to it), as token ids, built as `options` say; raises ValueError if it cannot be built."""
     if messages is not None:
         if chat_template is None and tokenizer.chat_template is None:
             raise ValueError("the model has no chat template; use /v1/completions")
@@ -67,15 +72,17 @@ def prompt_ids(
                 tools=tools,
                 chat_template=chat_template,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
                 **kwargs,
             )
         except Exception as e:  # a template is code: its rendering may raise anything
             raise ValueError(f"cannot apply the chat template: {e}") from e
-        # the template writes any BOS itself; encoding must not add a second one
-        return tokenizer.encode(_unicode(text), add_special_tokens=False)
+        # the template writes any BOS itself: by default encoding adds no second one
+        return tokenizer.encode(_unicode(text), add_special_tokens=bool(options.add_special_tokens))
     if isinstance(prompt, str):
-        return tokenizer.encode(_unicode(prompt))
+        special = options.add_special_tokens is not False
+        return tokenizer.encode(_unicode(prompt), add_special_tokens=special)
     if prompt is None:
         raise ValueError("a request needs a prompt or messages")
     return list(prompt)

@@ -83,6 +83,7 @@ class Tokenize:
                     self.chat_template,
                     request.tools,
                     request.template_kwargs,
+                    request.options,
                 )
                 for prompt in request.prompts or [None]
             ]
@@ -139,9 +140,10 @@ class Tokenize:
             if query.ids is None:
                 ids = prompt_ids(
                     self.tokenizer, query.prompt, query.messages, self.chat_template, query.tools,
-                    query.template_kwargs,
+                    query.template_kwargs, query.options,
                 )  # fmt: skip
-                return TokenizerAnswer(query.qid, ids=ids)
+                strs = self.tokenizer.convert_ids_to_tokens(ids) if query.token_strs else None
+                return TokenizerAnswer(query.qid, ids=ids, token_strs=strs)
             check_token_ids(query.ids, self.limits.vocab_size)
             return TokenizerAnswer(query.qid, text=self.tokenizer.decode(query.ids))
         except Exception as e:  # as a request's, a query's failure is its own
