@@ -59,6 +59,10 @@ class EngineConfig:
             raise ConfigError(f"tp rank {self.tp_rank} is outside a TP size of {self.tp_size}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.gpu_memory_utilization is not None and self.max_kv_tokens is not None:
+            raise ConfigError(
+                "max_kv_tokens fixes the KV cache that gpu_memory_utilization would size: give one"
+            )
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ConfigError("cuda_graph_max_bs must be >= 0")
 

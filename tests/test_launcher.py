@@ -119,6 +119,23 @@ def test_a_bad_node_layout_is_refused_with_the_settings(flags: list[str], messag
 
 
 @pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--router-policy", "random"], "--router-policy picks among --dp replicas"),
+        (["--structured-outputs-in-reasoning"], "--structured-outputs-in-reasoning needs --reas"),
+        (["--dist-init-addr", "127.0.0.1:29500"], "--dist-init-addr is where TP ranks meet"),
+        (["--gpu-memory-utilization", "0.5", "--max-kv-tokens", "4096"], "would size: give one"),
+    ],
+)
+def test_an_option_that_would_change_nothing_is_refused(flags: list[str], message: str) -> None:
+    """Each was accepted and ignored: a router policy with no replicas, a grammar held over a
+    thinking no parser finds, a meeting address for one rank, a share of memory beside a fixed
+    KV cache."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args(["--device", "cpu", *flags])
+
+
+@pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"weights": False}, "holds no *.safetensors weights"),
@@ -219,8 +236,8 @@ def test_vllm_flags_reach_the_server(tmp_path: Path) -> None:
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     server = ServerProcess(
         tmp_path,
-        str(DEFAULT_MODEL_PATH), "--max-model-len", "300", "--max-kv-tokens", "600",
-        "--gpu-memory-utilization", "0.5", "--seed", "3", "--log-level", "warning",
+        str(DEFAULT_MODEL_PATH), "--max-model-len", "300", "--gpu-memory-utilization", "0.02",
+        "--seed", "3", "--log-level", "warning",
         "--chat-template", template, "--served-model-name", "first", "second",
     )  # fmt: skip
     try:

@@ -66,6 +66,11 @@ class ServerArgs:
             )
         if self.dp_size < 1:
             raise ValueError(f"--dp must be >= 1, not {self.dp_size}")
+        if self.structured_outputs_in_reasoning and self.reasoning_parser is None:
+            raise ValueError(
+                "--structured-outputs-in-reasoning needs --reasoning-parser (which tells the "
+                "thinking from the answer)"
+            )
         if self.dp_size > 1 and not self.allowed_origins:
             raise ValueError("--dp: vllm-router cannot refuse every origin (--allowed-origins [])")
         for flag, name, known in [
@@ -84,6 +89,8 @@ class ServerArgs:
             if nnodes > 1:
                 raise ValueError(f"--nnodes {nnodes} needs --dist-init-addr HOST:PORT (node 0's)")
             return
+        if self.engine.tp_size == 1:
+            raise ValueError("--dist-init-addr is where TP ranks meet: give --tp N (N > 1) too")
         host, _, port = self.dist_init_addr.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ValueError(f"--dist-init-addr must be HOST:PORT, not {self.dist_init_addr!r}")

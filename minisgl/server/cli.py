@@ -101,7 +101,8 @@ _HELP = {
     "answered with 503",
     "health_timeout": "/health answers 503 once the engine has sent no heartbeat for this many "
     "seconds",
-    "timeout_keep_alive": "seconds an HTTP connection may stay idle: between requests, or mid-request",
+    "timeout_keep_alive": "seconds an HTTP connection may stay idle: between requests, or "
+    "mid-request (with --dp, the replicas'; vllm-router has no such limit)",
     "log_level": "logging level",
     "tool_call_parser": "read tool calls out of chat replies in this model family's format, for "
     "tool_choice auto (required and named choices need none: a grammar holds the reply to the "
@@ -202,6 +203,8 @@ def parse_args(
     if argv[:1] == ["serve"]:  # `minisgl serve MODEL`, as `vllm serve`
         argv = argv[1:]
     ns = vars(build_parser().parse_args(argv))
+    if "router_policy" in ns and ns.get("dp", 1) == 1:  # its default cannot tell given from not
+        raise ValueError("--router-policy picks among --dp replicas: give --dp N (N > 1) too")
     if ns["model_path"] and ns["model"] and ns["model_path"] != ns["model"]:
         raise ValueError("give the model once: as MODEL or as --model")
     model = ns["model_path"] or ns["model"]
