@@ -122,7 +122,12 @@ class Engine:
     def summary(self) -> list[str]:
         """What was built, for the operator: a line each."""
         mc, c, layout = self.model_config, self.config, self.layout
-        graphs = self.graph_runner.sizes if self.graph_runner is not None else "off"
+        if self.graph_runner is None:
+            graphs = "CUDA graphs off"
+        elif self.device.type == "cuda":
+            graphs = f"CUDA graphs for batches {self.graph_runner.sizes}"
+        else:  # the runner pads decode batches to its sizes and captures nothing
+            graphs = f"decode batches padded to {self.graph_runner.sizes} (no graphs on the CPU)"
         return [
             f"model {c.model_path} ({mc.architecture}{', dummy weights' if c.dummy_weights else ''}"
             f"), {str(self.dtype).removeprefix('torch.')} on {self.device}, TP {c.tp_size}",
@@ -132,7 +137,7 @@ class Engine:
             f"max model length {layout.max_seq_len:,}; up to {c.max_running_requests} running "
             f"requests; attention {self.attn_backend_name}"
             f"{f'; MoE {self.moe_backend_name}' if mc.moe is not None else ''}"
-            f"; CUDA graphs for batches {graphs}",
+            f"; {graphs}",
             f"built in {self.build_seconds:.1f} s",
         ]
 
