@@ -2,12 +2,12 @@
 
 from typing import TYPE_CHECKING, Any
 
-from .core import SamplingParams
+from .core import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from .llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput"]
 
 
 def __getattr__(name: str) -> Any:

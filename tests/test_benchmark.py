@@ -110,6 +110,14 @@ def test_bench_reports_the_workload_tokens(checkpoint) -> None:
     assert result["profile"]["kernels"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("script", [bench, latency, prefill])
+def test_a_run_on_a_machine_without_its_device_ends_in_one_line(script) -> None:
+    """CUDA is the default: a CPU machine got a traceback ("Torch not compiled with CUDA")."""
+    with pytest.raises(SystemExit, match=r"device 'cuda': no CUDA device is available"):
+        script.main(["--model", "embedded"])
+
+
 def test_cpu_bench_counts_only_each_requests_own_tokens() -> None:
     """Both engines on the embedded model; HF pads every row to the longest output."""
     args = ["--model", "embedded", "--num-requests", "3", "--repeats", "1"]

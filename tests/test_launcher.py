@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minisgl.server.cli import parse_args
+from minisgl.server.cli import main, parse_args
 from minisgl.server.launch import _base_url
 from minisgl.utils import DEFAULT_MODEL_PATH
 from minisgl.utils.torch_utils import resolve_dtype
@@ -116,6 +116,13 @@ def test_a_bad_node_layout_is_refused_with_the_settings(flags: list[str], messag
     """Found with the other settings (the case above shows that they fail in one line)."""
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_args(["--tp", "2", "--dist-init-addr", "127.0.0.1:29500", *flags])
+
+
+def test_a_settings_error_names_the_flags_but_not_inside_a_file_name(tmp_path: Path) -> None:
+    """The error read "no --generation-config.json"."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--device", "cpu", "--generation-config", str(tmp_path)])
+    assert f"--generation-config {tmp_path}: no generation_config.json" in str(exited.value.code)
 
 
 @pytest.mark.parametrize(

@@ -215,6 +215,13 @@ def test_text_parts_are_joined_by_newlines() -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
          "messages.0.content", "valid string"),
         ("/v1/completions", {"n": 129}, "n", "n must be at most 128"),
+        # an unknown field (its param was null, its message began "body: Value error, ")
+        ("/v1/completions", {"best_of": 2}, "best_of", "body: unsupported field(s): best_of"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "mood": 1}]},
+         "messages.0.mood", "messages.0: unsupported field(s): mood"),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "a",
+                                                "refusal": "no"}]},
+         "messages.0", "messages.0: give content or refusal, not both"),
         ("/v1/completions", {"stop_token_ids": list(range(1025))}, "stop_token_ids",
          "at most 1024 stop_token_ids"),
         ("/v1/completions", {"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias",

@@ -128,9 +128,12 @@ def test_echo_prepends_the_prompt_text_and_token_prompts_decode(
 
 
 def test_responses_api_is_a_404_in_openais_shape(server: ServerProcess) -> None:
-    r = httpx.post(server.url + "/v1/responses", json={"model": "m", "input": "hi"}, timeout=10)
-    assert r.status_code == 404
-    assert "chat/completions" in r.json()["error"]["message"]
+    """Any method and path of it: the openai client's retrieve (GET .../{id}) was a 405."""
+    for method, path in [("POST", ""), ("GET", ""), ("GET", "/resp_1"), ("DELETE", "/resp_1")]:
+        body = {"model": "m", "input": "hi"} if method == "POST" else None
+        r = httpx.request(method, server.url + "/v1/responses" + path, json=body, timeout=10)
+        assert r.status_code == 404, (method, path, r.text)
+        assert "chat/completions" in r.json()["error"]["message"]
 
 
 def test_min_tokens_with_a_stop_id_past_the_vocabulary_is_served(server: ServerProcess) -> None:

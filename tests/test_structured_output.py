@@ -21,8 +21,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minisgl import LLM, SamplingParams
-from minisgl.core import StructuredOutput
+from minisgl import LLM, SamplingParams, StructuredOutput  # the package exports all three
 from minisgl.messages import AddRequests
 from minisgl.scheduler import grammar_cost
 from minisgl.scheduler.grammar import Grammars

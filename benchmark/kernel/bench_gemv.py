@@ -14,7 +14,7 @@ is GB/s of W read.
 
 import argparse
 import itertools
-import json
+import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -27,6 +27,9 @@ from triton.testing import do_bench_cudagraph
 
 from minisgl.kernel.triton import fused_add_rmsnorm, silu_and_mul
 from minisgl.kernel.triton.gemv import GemvConfig, Prologue, default_config, linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offline"))
+from common import write_json  # with the provenance every result records
 
 NUM_LAYERS = 28
 SHAPES = {  # name: (N, K, copies)
@@ -137,7 +140,7 @@ def main() -> None:
             for us, config in sorted(sweep)[:5]:
                 record(shape, 1, f"{name} {tuple(config)}", us, nbytes)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.json, {"measurements": results})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ where the GEMVs stop paying is fused_moe's _GEMV_MAX_TOKENS.
 """
 
 import argparse
-import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +35,9 @@ from minisgl.kernel.triton.gemv import GemvConfig
 from minisgl.kernel.triton.moe_align import align_by_expert
 from minisgl.moe.base import Routing
 from minisgl.moe.torch_backend import TorchMoE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offline"))
+from common import write_json  # with the provenance every result records
 
 EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 LAYERS = 8  # 9.7 GB of experts
@@ -161,7 +164,7 @@ def main() -> None:
             share = "" if gbs is None else f"{gbs:>7.0f} GB/s {gbs * 1e9 / copy_bw:>5.0%}"
             print(f"{tokens:>5} {kernel:>34} {us / LAYERS:>9.1f} us/layer {share}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.json, {"measurements": results})
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from common import (
     print_table,
     record_experts_per_layer,
     result_row,
+    run_device,
     step_weight_bytes,
     timed,
     tp_all_reduce_seconds,
@@ -55,7 +56,7 @@ from torch.profiler import profile
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.utils.hf import cached_load_hf_config
-from minisgl.utils.torch_utils import resolve_device, resolve_dtype
+from minisgl.utils.torch_utils import resolve_dtype
 
 GOAL_SHARE = 0.75  # the goal: 75 % of the floor (about 27,000 tok/s on an H200)
 STEP_END = "_sample_kernel"  # the last kernel of a step (it samples the tokens)
@@ -246,7 +247,7 @@ def step_timeline(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = resolve_device(args.device)
+    device = run_device(args.device)
     vocab_size = cached_load_hf_config(args.model).vocab_size
     workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab_size)
     bandwidth = measure_bandwidth(device)

@@ -17,6 +17,7 @@ import platform
 import random
 import statistics
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -30,12 +31,13 @@ from collectives import decode_all_reduce_seconds
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from minisgl.config import ConfigError
 from minisgl.kvcache.pool import KVPool
 from minisgl.llm import LLM
 from minisgl.models import ModelConfig
 from minisgl.moe.recorder import recording
 from minisgl.utils.hf import cached_load_hf_config
-from minisgl.utils.torch_utils import resolve_dtype
+from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 
 TOP_KERNELS = 30  # rows of a profile's kernel table
 QWEN3_SHAPE = Path(__file__).resolve().parents[2] / "tests" / "assets" / "qwen3-tokenizer"
@@ -316,6 +318,15 @@ def provenance() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def run_device(name: str) -> torch.device:
+    """The device a run names; exits in one line where there is none (CUDA, the default, on a
+    machine without it)."""
+    try:
+        return resolve_device(name)
+    except ConfigError as e:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {e} (--device cpu runs on the CPU)") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ from common import (
     model_bytes,
     print_table,
     record_experts_per_layer,
+    run_device,
     step_weight_bytes,
     timed,
     tp_all_reduce_seconds,
@@ -33,7 +34,6 @@ from common import (
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.utils.hf import cached_load_hf_config
-from minisgl.utils.torch_utils import resolve_device
 
 GOAL_TOK_S = 1500  # the goal for one request on an H200
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(
             "--output-len must be >= 2: decode speed is measured after the first token"
         )
-    device = resolve_device(args.device)
+    device = run_device(args.device)
     vocab_size = cached_load_hf_config(args.model).vocab_size
     # a fresh prompt for each run, so that no run finds an earlier one in the prefix cache
     prompts = make_workload(1 + args.repeats, args.prompt_len, args.prompt_len, vocab_size).prompts

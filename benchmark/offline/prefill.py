@@ -23,6 +23,7 @@ from common import (
     make_workload,
     print_profile,
     print_table,
+    run_device,
     timed,
     write_json,
 )
@@ -30,7 +31,7 @@ from roofline import ModelCost, measure_matmul_peak
 
 from minisgl.core import SamplingParams
 from minisgl.utils.hf import cached_load_hf_config
-from minisgl.utils.torch_utils import resolve_device, resolve_dtype
+from minisgl.utils.torch_utils import resolve_dtype
 
 GOAL_MFU = 0.5  # the aim at 8k tokens in one request
 
@@ -49,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = resolve_device(args.device)
+    device = run_device(args.device)
     vocab_size = cached_load_hf_config(args.model).vocab_size
     workload = make_workload(args.num_requests, args.min_len, args.max_len, vocab_size)
     peak = measure_matmul_peak(device, resolve_dtype(args.dtype, device))

@@ -3,8 +3,6 @@ bad one fails at once, in one line: the server's launcher and the offline LLM bo
 only the engine can know (whether the KV cache fits in the memory left after the weights) fails
 when it builds, in one line too."""
 
-import torch
-
 from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.config import ConfigError, EngineConfig, check_kv_capacity, kv_pages, max_seq_len
 from minisgl.models.config import ModelConfig
@@ -17,8 +15,6 @@ from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 def check_engine_config(config: EngineConfig) -> ModelConfig:
     """The model's config; raises ConfigError unless the engine can be built as `config` says,
     the checkpoint included (from its files' headers: no weight is read)."""
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {config.device}: no CUDA device is available")
     device = resolve_device(config.device)
     resolve_dtype(config.dtype, device)
     ATTENTION_BACKENDS.resolve(config.attention_backend, device.type)

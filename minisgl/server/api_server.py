@@ -301,7 +301,8 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             stream=body.stream, include_usage=body.include_usage, timeout=args.request_timeout,
         )  # fmt: skip
 
-    @app.post("/v1/responses")
+    # every method and path of it (the openai client's retrieve, delete, ... too), not a 405
+    @app.api_route("/v1/responses{rest:path}", methods=["GET", "POST", "DELETE"])
     async def responses(request: Request) -> Response:
         raise ApiError(404, "the Responses API is not served here; use /v1/chat/completions")
 

@@ -270,5 +270,6 @@ def _in_flags(message: str) -> str:
     for option, (_, field) in _fields().items():
         if "_" in field.name:
             flag = "--" + option.replace("_", "-")
-            message = re.sub(rf"(?<![\w-]){field.name}\b", flag, message)
+            # not inside a file name: generation_config.json stays
+            message = re.sub(rf"(?<![\w-]){field.name}\b(?!\.\w)", flag, message)
     return message

@@ -62,6 +62,14 @@ IGNORED_FIELDS = frozenset(
 )  # fmt: skip
 
 
+class UnknownFields(ValueError):
+    """Fields no schema declares, in the object where the validation error stands."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(f"unsupported field(s): {', '.join(names)}")
+        self.names = names
+
+
 class _Strict(BaseModel):
     """An object of a request body: a field sent as null counts as not sent, as OpenAI takes it
     (clients send back their replies' nulls)."""
@@ -78,7 +86,7 @@ class _Strict(BaseModel):
     def _refuse_unknown_fields(self) -> "_Strict":
         unknown = sorted(set(self.model_extra or {}) - self._ignored)
         if unknown:
-            raise ValueError(f"unsupported field(s): {', '.join(unknown)}")
+            raise UnknownFields(unknown)
         return self
 
 
@@ -106,9 +114,17 @@ def parse_body(data: bytes | bytearray, schema: type[Body]) -> Body:
 
 
 def _explain(e: ValidationError) -> tuple[str | None, str]:
-    """Where the first error is (None: the whole), and what each error is, where."""
-    errors = [(_place(err["loc"]), err["msg"]) for err in e.errors()]
+    """Where the first error is (None: the whole; an unknown field's name), and what each error
+    is, where: a validator's own message without pydantic's "Value error, " before it."""
+    errors = []
+    for err in e.errors():
+        place, raised = _place(err["loc"]), err.get("ctx", {}).get("error")
+        message = str(raised) if isinstance(raised, ValueError) else err["msg"]
+        errors.append((place, message))
     details = "; ".join(f"{place or 'body'}: {message}" for place, message in errors)
+    first = e.errors()[0].get("ctx", {}).get("error")
+    if isinstance(first, UnknownFields):  # the field at fault, as OpenAI names one
+        return ".".join(filter(None, (errors[0][0], first.names[0]))), details
     return errors[0][0] or None, details
 
 

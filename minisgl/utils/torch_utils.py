@@ -20,7 +20,7 @@ def torch_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """`auto`: CUDA if there is one, else the CPU; raises ConfigError for any device but a CUDA
-    one and the CPU (which has no index but 0)."""
+    one and the CPU (which has no index but 0), and for CUDA on a machine without it."""
     name = "cuda" if str(device) == "auto" and torch.cuda.is_available() else str(device)
     try:
         resolved = torch.device("cpu" if name == "auto" else name)
@@ -30,6 +30,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
         resolved.type == "cuda" or (resolved.type == "cpu" and resolved.index in (None, 0))
     ):
         raise ConfigError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r}: no CUDA device is available")
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
