@@ -27,7 +27,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from minisgl.core import SamplingParams, StructuredOutput, choice_params
 from minisgl.messages import Addresses, Ready, TokenizerAnswer, TokenizeRequest, TokenizerQuery
@@ -403,7 +403,9 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
     trailers, a request is a 431. Each piece (request line, header, trailer) counts as it is
     complete in the read the request begins in or in its body; a read of nothing but unfinished
     headers (or trailers) counts whole instead; the read that ends headers begun in an earlier
-    one does not count."""
+    one does not count. And a client that leaves is told to the request being served, not only to
+    the newest one: uvicorn marks only a pipelined request queued behind it, and a non-streamed
+    one ran on to its end."""
 
     def __init__(self, *args: Any, max_header_bytes: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -417,9 +419,21 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
         self._body_in_read = False  # the read being parsed held some of its body
         self._ended_in_read = False  # a request ended in the read being parsed
         self._header_bytes = 0
+        self._serving: RequestResponseCycle | None = None  # the request whose app runs
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._serving = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        serving = self._serving
+        if serving is not None and serving is not self.cycle and not serving.response_complete:
+            serving.disconnected = True
+            serving.message_event.set()
 
     def data_received(self, data: bytes) -> None:
         timer, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None

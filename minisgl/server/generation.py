@@ -53,14 +53,14 @@ async def generate(
     try:
         first = await until_disconnected(request, run.next_items())
         if stream:
-            streaming = True  # the stream aborts what is left of the group when it ends
+            streaming = True  # the stream ends the run when it ends
             return StreamingResponse(
                 run.stream(first, include_usage), media_type="text/event-stream", headers=headers
             )
         return json_response(await until_disconnected(request, run.collect(first)), headers=headers)
     finally:
         if not streaming:
-            client.abort(group)  # a no-op unless the request was cut short
+            run.end()
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,13 @@ class _Run:
         self.id = reply_id
         self.created = int(time.time())
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        # the deadline holds while a stream waits to write to a client that stopped reading,
+        # where no next_items runs: 16 choices ran to their 1,400 tokens past a 4 s limit
+        self._deadline_abort = (
+            None
+            if timeout is None
+            else asyncio.get_running_loop().call_later(timeout, client.abort, group)
+        )
         self.choices = [Choice() for _ in group.rids]
         self._batches = group.batches()
         # only a prompt's first choice asks for its prompt's logprobs (choice_params), which
@@ -180,6 +187,12 @@ class _Run:
     def _ended(self) -> bool:
         return all(c.end is not None for c in self.choices)
 
+    def end(self) -> None:
+        """Abort what is left of the group (a no-op unless the request was cut short)."""
+        if self._deadline_abort is not None:
+            self._deadline_abort.cancel()
+        self.client.abort(self.group)
+
     async def collect(self, first: Items) -> dict[str, Any]:
         self._apply(first)
         while not self._ended():
@@ -222,7 +235,7 @@ class _Run:
         except ApiError as e:
             yield _event(e.body())
         finally:
-            self.client.abort(self.group)
+            self.end()
         yield b"data: [DONE]\n\n"
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:

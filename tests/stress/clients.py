@@ -107,20 +107,38 @@ def read_stream(
         return Streamed(200, events, done)
 
 
+def _post(server: ServerProcess, path: str, body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n"
+        + "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
+        + "\r\n"
+    )
+    return head.encode() + data
+
+
 class RawRequest:
     """A POST with a JSON body on a socket of its own: `leave()` is a client that goes away (its
-    socket closed) at whatever point the test has reached."""
+    socket closed) at whatever point the test has reached; a small `receive_buffer` and no read,
+    one that stops reading; `behind`, a second POST sent right after it on the connection
+    (HTTP/1.1 pipelining)."""
 
-    def __init__(self, server: ServerProcess, path: str, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n"
-            + "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
-            + "\r\n"
-        )
-        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        self.sock.sendall(head.encode() + data)
+    def __init__(
+        self,
+        server: ServerProcess,
+        path: str,
+        body: dict[str, Any],
+        receive_buffer: int | None = None,
+        behind: dict[str, Any] | None = None,
+    ) -> None:
+        self.sock = socket.socket()
+        if receive_buffer is not None:  # before connecting: the window is agreed then
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        self.sock.settimeout(60)
+        self.sock.connect(("127.0.0.1", server.port))
+        second = b"" if behind is None else _post(server, path, behind)
+        self.sock.sendall(_post(server, path, body) + second)
         self.received = b""
 
     def answered(self) -> bool:

@@ -269,6 +269,31 @@ def test_request_past_its_timeout_is_a_400_that_nothing_retries_and_frees_its_pa
     server.stop()
 
 
+def test_a_stream_whose_client_stops_reading_is_aborted_at_its_timeout(start_server) -> None:
+    """The deadline was checked only between events: a client that kept its socket open and read
+    nothing held the stream's first write (echoed prompt logprobs, megabytes), and its 16 choices
+    ran on to their 1,400 tokens ("length") well past the limit."""
+    timeout_s = 5
+    server = start_server("--request-timeout", str(timeout_s), "--max-kv-tokens", "32768")
+    before = server.metrics()
+    body = {
+        "model": MODEL, "prompt": "Once upon a time " * 150, "n": 16, "max_tokens": 1400,
+        "ignore_eos": True, "stream": True, "echo": True, "logprobs": 5,
+    }  # fmt: skip
+    stalled = RawRequest(server, COMPLETIONS, body, receive_buffer=2048)
+    start = time.monotonic()
+    try:
+        # every choice began (its first event is being written) before the limit
+        wait_for_metrics(server, lambda m: delta(before, m, FIRST_TOKENS) == 16, timeout_s)
+        after = wait_for_metrics(server, lambda m: m[RUNNING] == 0, 60)
+        assert time.monotonic() - start < timeout_s + 5
+        assert delta(before, after, finished("abort")) == 16
+        assert delta(before, after, finished("length")) == 0
+    finally:
+        stalled.sock.close()
+    assert_clean(server, before)
+
+
 # ------------------------------------------------------------------------ SIGTERM under load
 SHUTDOWN_TIMEOUT_S = 10
 

@@ -119,11 +119,17 @@ def test_temperature_below_1e_5_is_greedy_and_the_server_keeps_serving(
 
 
 # ---------------------------------------------------------------------------------------- D3
-def test_non_streaming_request_whose_client_left_is_aborted(server: ServerProcess) -> None:
+@pytest.mark.parametrize("pipelined", [False, True], ids=["alone", "pipelined"])
+def test_non_streaming_request_whose_client_left_is_aborted(
+    server: ServerProcess, pipelined: bool
+) -> None:
+    """Pipelined, a second request sent behind it on the connection: uvicorn told only that one
+    (queued) that the client left, and the first ran to the end of the context."""
     before = server.metrics()
     # no max_tokens and eos ignored: it would run to the end of the context
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Once"}], "ignore_eos": True}
-    client = RawRequest(server, CHAT, body)
+    behind = {"model": MODEL, "messages": HI, "max_tokens": 1} if pipelined else None
+    client = RawRequest(server, CHAT, body, behind=behind)
     with server.scheduler_stopped(until=lambda m: delta(before, m, FIRST_TOKENS) == 1):
         client.leave()  # as curl -m gives up, with nothing received: the answer is not streamed
         time.sleep(ABORT_ARRIVES_S)
