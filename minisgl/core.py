@@ -39,7 +39,7 @@ MIN_TEMPERATURE = 1e-5
 MAX_SCHEMA_DEPTH = 128
 
 
-def _schema_depth(schema: object) -> int:
+def schema_depth(schema: object) -> int:
     """How deep a schema's objects and arrays nest (JSON text is parsed first), level by level
     rather than by recursion: a hostile schema may nest a hundred thousand deep. Text that is
     not JSON counts as flat (the grammar compiler names its error)."""
@@ -86,7 +86,7 @@ class StructuredOutput:
     after: str | None = None
 
     def __post_init__(self) -> None:
-        if self.json_schema is not None and _schema_depth(self.json_schema) > MAX_SCHEMA_DEPTH:
+        if self.json_schema is not None and schema_depth(self.json_schema) > MAX_SCHEMA_DEPTH:
             raise ValueError(
                 f"a structured output's json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels"
             )

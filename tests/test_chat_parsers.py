@@ -125,8 +125,12 @@ def test_a_call_read_whole_keeps_its_integers_exact_and_refuses_what_is_no_json(
     block = '{"arguments": {"id": 123456789012345678901234}, "name": "f"}'
     _, calls = _same_however_split(HermesToolParser, f"<tool_call>{block}</tool_call>")
     assert calls == [{"name": "f", "arguments": '{"id": 123456789012345678901234}'}]
-    for value in ("NaN", '"\\ud800"'):
+    for value in ("NaN", "1e400", '"\\ud800"'):  # 1e400 was inf, written back as Infinity
         text = f'<tool_call>{{"arguments": {{"a": {value}}}, "name": "f"}}</tool_call>'
+        assert _same_however_split(HermesToolParser, text) == (text, [])
+    # a name no reply can carry (a lone surrogate) was a 500, in either key order
+    for block in ('{"arguments": {}, "name": "f\\ud800"}', '{"name": "f\\ud800", "arguments": {}}'):
+        text = f"<tool_call>{block}</tool_call>"
         assert _same_however_split(HermesToolParser, text) == (text, [])
 
 

@@ -147,15 +147,15 @@ CONTINUED = [*MESSAGES, {"role": "assistant", "content": "Hello, I am"}]
         (MESSAGES, {}),
         (CONTINUED, {"add_generation_prompt": False}),
         (CONTINUED, {"add_generation_prompt": False, "continue_final_message": True}),
-        (MESSAGES, {"add_special_tokens": True}),
     ],
 )
-def test_vllms_rendering_fields_shape_the_prompt_of_chat_tokenize_and_llm_chat(
+def test_vllms_chat_ends_shape_the_prompt_of_chat_tokenize_and_llm_chat(
     server: ServerProcess, llm: LLM, qwen3_path: str, messages: list, fields: dict
 ) -> None:
     """The reply is the offline engine's on the prompt the fields give: the assistant's turn
     opened (the default), not, or the final message left open for the model to go on with;
-    /tokenize counts the same prompt, and LLM.chat takes the same two chat ends."""
+    /tokenize counts the same prompt, and LLM.chat takes the same fields (add_special_tokens:
+    test_server.py, on a tokenizer that adds a BOS)."""
     options = PromptOptions(**fields)
     ids = prompt_ids(llm.tokenizer, None, messages, options=options)
     text = llm.tokenizer.decode(ids)
@@ -163,7 +163,6 @@ def test_vllms_rendering_fields_shape_the_prompt_of_chat_tokenize_and_llm_chat(
         (): "<|im_start|>assistant\n",
         ("add_generation_prompt",): "Hello, I am<|im_end|>\n",
         ("add_generation_prompt", "continue_final_message"): "Hello, I am",
-        ("add_special_tokens",): "<|im_start|>assistant\n",
     }
     assert text.endswith(ends[tuple(fields)]), text
     params = SamplingParams(seed=5, max_tokens=6)
@@ -174,9 +173,8 @@ def test_vllms_rendering_fields_shape_the_prompt_of_chat_tokenize_and_llm_chat(
     assert (got.choices[0].message.content, got.usage.prompt_tokens) == (want["text"], len(ids))
     tokenized = server.post("/tokenize", json={"messages": messages, **fields}).json()
     assert tokenized["tokens"] == ids
-    if "add_special_tokens" not in fields:
-        offline = llm.chat(messages, params, use_tqdm=False, **fields)[0]
-        assert offline["token_ids"] == want["token_ids"]
+    offline = llm.chat(messages, params, use_tqdm=False, **fields)[0]
+    assert offline["token_ids"] == want["token_ids"]
 
 
 def test_the_chat_ends_are_refused_together_and_on_a_text_prompt(server: ServerProcess) -> None:

@@ -17,7 +17,8 @@ import xgrammar
 from minisgl.core import SamplingParams
 from minisgl.messages import TokenizeRequest, decode, encode
 from minisgl.server.cli import parse_args
-from minisgl.server.protocol import ChatCompletionRequest, ChatMessage
+from minisgl.server.errors import ApiError
+from minisgl.server.protocol import ChatCompletionRequest, ChatMessage, parse_body
 from minisgl.server.tool_parser import HermesToolParser
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 
@@ -460,19 +461,36 @@ def test_required_calls_keep_the_tools_references_where_they_point() -> None:
 
 
 @pytest.mark.parametrize(
+    "fields", [{"tool_choice": "required"}, {"tool_choice": "auto", "strict": True}]
+)
+def test_tool_parameters_nested_past_the_schema_bound_are_a_400(fields: dict) -> None:
+    """Held to them, a tool's parameters are a schema: 1,000 levels were a RecursionError (a 500)
+    where a structured output's schema past 128 is a 400."""
+    deep = '{"x":' * 1000 + "{}" + "}" * 1000
+    strict = ', "strict": true' if fields.pop("strict", False) else ""
+    tool = f'{{"type": "function", "function": {{"name": "f", "parameters": {deep}{strict}}}}}'
+    body = f'{{"messages": {json.dumps(QUESTION)}, "tools": [{tool}], "tool_choice": '
+    body += f'"{fields["tool_choice"]}"}}'
+    request = parse_body(body.encode(), ChatCompletionRequest)
+    with pytest.raises(ApiError, match="its parameters nest deeper than 128 levels") as refused:
+        request.sampling_params({})
+        request.strict_calls()
+    assert refused.value.status == 400
+
+
+@pytest.mark.parametrize(
     ("arguments", "given"),
     [
         ('{"a": 1, "b": [2.5, "x"]}', {"a": 1, "b": [2.5, "x"]}),
-        (
-            "",
-            {},
-        ),  # as vLLM's: none written is an empty object (the template wrote `"arguments": }`)
+        # as vLLM's: none written is an empty object (the template wrote `"arguments": }`)
+        ("", {}),
         ("  ", {}),
         ("[1, 2]", "[1, 2]"),  # no object: as written
         ("{oops", "{oops"),
         # an integer past 64 bits went in as a float; as text the template writes it as sent
         ('{"a": 18446744073709551616}', '{"a": 18446744073709551616}'),
         ('{"a": NaN}', '{"a": NaN}'),
+        ('{"a": 1e400}', '{"a": 1e400}'),  # past a double: inf, which tojson wrote as Infinity
     ],
 )
 def test_the_template_gets_an_earlier_calls_arguments_as_an_object_where_json_allows(

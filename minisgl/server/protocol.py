@@ -33,10 +33,12 @@ from typing_extensions import TypeAliasType
 from minisgl.core import (
     INT64_MAX,
     INT64_MIN,
+    MAX_SCHEMA_DEPTH,
     InvalidSamplingParam,
     PromptOptions,
     SamplingParams,
     StructuredOutput,
+    schema_depth,
 )
 
 from .errors import ApiError
@@ -458,7 +460,16 @@ class FunctionDefinition(_Strict):
     strict: bool | None = None
 
     def schema(self) -> dict[str, Any]:
-        return self.parameters or {"type": "object", "properties": {}}
+        """The parameters a constraint holds a call to; a 400 where they nest past the bound a
+        structured output's schema has (1,000 levels were a RecursionError: a 500)."""
+        schema = self.parameters or {"type": "object", "properties": {}}
+        if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise ApiError(
+                400,
+                f"tool {self.name!r}: its parameters nest deeper than {MAX_SCHEMA_DEPTH} levels",
+                param="tools",
+            )
+        return schema
 
 
 class Tool(_Strict):

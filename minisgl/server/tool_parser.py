@@ -14,6 +14,7 @@ included.
 """
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -96,8 +97,8 @@ class _Cursor:
                 escaped = True
             elif c == '"':
                 try:
-                    return json.loads(self.text[start : self.pos])
-                except json.JSONDecodeError:
+                    return loads_exact(self.text[start : self.pos])
+                except ValueError:  # a lone surrogate too, which no reply can carry
                     return False
         return None
 
@@ -129,11 +130,21 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise ValueError(f"{text} is past a double's range")
+    return value
+
+
 def loads_exact(text: str) -> Any:
     """JSON text as Python values, integers exact (orjson reads one past 64 bits as a float:
-    18446744073709551616 became 1.8446744073709552e+19); raises ValueError for text that is no
-    JSON, NaN and Infinity included (json's extensions), and RecursionError if nested too deep."""
-    return json.loads(text, parse_constant=_no_constant)
+    18446744073709551616 became 1.8446744073709552e+19); raises ValueError, as orjson does, for
+    text that is no JSON (json's NaN and Infinity), a number past a double's range (1e400), or a
+    lone surrogate (an escape no UTF-8 can carry), and RecursionError if nested too deep."""
+    value = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    if "\\u" in text:  # an escape may name a lone surrogate: UnicodeEncodeError, a ValueError
+        json.dumps(value, ensure_ascii=False).encode()
+    return value
 
 
 def whole_call(text: str) -> tuple[str, str] | None:
@@ -146,9 +157,7 @@ def whole_call(text: str) -> tuple[str, str] | None:
             arguments = loads_exact(arguments)
         if not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
             return None
-        written = json.dumps(arguments, ensure_ascii=False)
-        written.encode()  # raises for a lone surrogate (an escape), which no reply can carry
-        return call["name"], written
+        return call["name"], json.dumps(arguments, ensure_ascii=False)
     except (ValueError, AttributeError, RecursionError):  # not JSON, no object, nested too deep
         return None
 
