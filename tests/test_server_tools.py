@@ -472,7 +472,9 @@ def test_tool_parameters_nested_past_the_schema_bound_are_a_400(fields: dict) ->
     body = f'{{"messages": {json.dumps(QUESTION)}, "tools": [{tool}], "tool_choice": '
     body += f'"{fields["tool_choice"]}"}}'
     request = parse_body(body.encode(), ChatCompletionRequest)
-    with pytest.raises(ApiError, match="its parameters nest deeper than 128 levels") as refused:
+    with pytest.raises(
+        ApiError, match="its parameters schema nests deeper than 128 levels"
+    ) as refused:
         request.sampling_params({})
         request.strict_calls()
     assert refused.value.status == 400

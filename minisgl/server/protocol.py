@@ -466,7 +466,8 @@ class FunctionDefinition(_Strict):
         if schema_depth(schema) > MAX_SCHEMA_DEPTH:
             raise ApiError(
                 400,
-                f"tool {self.name!r}: its parameters nest deeper than {MAX_SCHEMA_DEPTH} levels",
+                f"tool {self.name!r}: its parameters schema nests deeper than "
+                f"{MAX_SCHEMA_DEPTH} levels",
                 param="tools",
             )
         return schema
