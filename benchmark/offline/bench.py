@@ -122,10 +122,10 @@ def run_hf(args: argparse.Namespace, workload: Workload, device: torch.device) -
     page_size = 256
     pages = sum(-(-(len(prompt) + max_new_tokens) // page_size) for prompt in prompts)
     batching = ContinuousBatchingConfig(page_size=page_size, num_blocks=2 * pages)
-    outputs = model.eval().generate_batch(
+    batch = model.eval().generate_batch(
         prompts, generation_config=generation, continuous_batching_config=batching
     )
-    outputs = list(outputs.values())
+    outputs = list(batch.values())
     errors = [o.error for o in outputs if o.error is not None]
     if len(outputs) != len(prompts) or errors:
         raise RuntimeError(

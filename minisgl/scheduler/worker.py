@@ -112,7 +112,8 @@ class SchedulerWorker:
 
     def load(self) -> SchedulerLoad:
         s, kv = self.scheduler, self.scheduler.kv
-        cached = kv.prefix_cache.num_evictable_pages  # a running request's prompt pages are its
+        # held by the prefix cache alone: a running request's prompt pages count as its own
+        cached = kv.prefix_cache.num_evictable_pages
         self._last_load = time.monotonic()
         return SchedulerLoad(
             num_running=len(s.running),

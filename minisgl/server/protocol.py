@@ -118,16 +118,15 @@ def parse_body(data: bytes | bytearray, schema: type[Body]) -> Body:
 def _explain(e: ValidationError) -> tuple[str | None, str]:
     """Where the first error is (None: the whole; an unknown field's name), and what each error
     is, where: a validator's own message without pydantic's "Value error, " before it."""
-    errors = []
-    for err in e.errors():
-        place, raised = _place(err["loc"]), err.get("ctx", {}).get("error")
-        message = str(raised) if isinstance(raised, ValueError) else err["msg"]
-        errors.append((place, message))
-    details = "; ".join(f"{place or 'body'}: {message}" for place, message in errors)
-    first = e.errors()[0].get("ctx", {}).get("error")
-    if isinstance(first, UnknownFields):  # the field at fault, as OpenAI names one
-        return ".".join(filter(None, (errors[0][0], first.names[0]))), details
-    return errors[0][0] or None, details
+    errors = [(_place(err["loc"]), err, err.get("ctx", {}).get("error")) for err in e.errors()]
+    details = "; ".join(
+        f"{place or 'body'}: {raised if isinstance(raised, ValueError) else err['msg']}"
+        for place, err, raised in errors
+    )
+    place, _, raised = errors[0]
+    if isinstance(raised, UnknownFields):  # the field at fault, as OpenAI names one
+        return ".".join(filter(None, (place, raised.names[0]))), details
+    return place or None, details
 
 
 def _place(loc: tuple[int | str, ...]) -> str:
