@@ -1,6 +1,7 @@
 """The generic decoder and the loader: the same function as Hugging Face, for every architecture."""
 
 import json
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -262,6 +263,20 @@ def test_an_index_naming_no_file_is_refused(checkpoint, tmp_path: Path) -> None:
     index["weight_map"]["model.norm.weight"] = 3
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match=r"index\.json cannot be read.*must be file names"):
+        _llm(path)
+
+
+def test_a_tensor_stored_in_two_files_is_refused(checkpoint, tmp_path: Path) -> None:
+    path = _copy(
+        checkpoint("qwen3", max_shard_size="100KB", tie_word_embeddings=False), tmp_path / "m"
+    )
+    (path / "model.safetensors.index.json").unlink()  # every *.safetensors file is read
+    shards = sorted(path.glob("model-*.safetensors"))
+    first, last = shards[0], shards[-1]
+    name = next(iter(load_file(first)))
+    tensors = load_file(last)
+    save_file({**tensors, name: load_file(first)[name] + 1}, last)
+    with pytest.raises(ConfigError, match=rf"{re.escape(name)}.*both {first.name} and {last.name}"):
         _llm(path)
 
 

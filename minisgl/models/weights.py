@@ -173,6 +173,7 @@ def scan_checkpoint(
     ConfigError naming the file or the tensor."""
     sources: dict[Path, list[_Source]] = {}
     covered: dict[str, set[str]] = {}  # model tensor -> the checkpoint tensors found for it
+    found_in: dict[str, Path] = {}  # checkpoint tensor -> its file
     tied_head = None
     for file in _checkpoint_files(model_path):
         try:
@@ -184,6 +185,11 @@ def scan_checkpoint(
         for name, header in headers.items():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
+            if (first := found_in.setdefault(name, file)) != file:
+                raise ConfigError(
+                    f"tensor {name!r} is stored in both {first.name} and {file.name}: which one "
+                    "the model should take is not known"
+                )
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 tied_head = file  # the LM head shares embed_tokens' weight
                 continue
