@@ -118,6 +118,12 @@ def test_a_run_on_a_machine_without_its_device_ends_in_one_line(script) -> None:
         script.main(["--model", "embedded"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_the_host_benchmark_on_cuda_without_a_gpu_ends_in_one_line() -> None:
+    with pytest.raises(SystemExit, match=r"device 'cuda': no CUDA device is available"):
+        bench_decode_step.main(["--device", "cuda"])
+
+
 def test_cpu_bench_counts_only_each_requests_own_tokens() -> None:
     """Both engines on the embedded model; HF pads every row to the longest output."""
     args = ["--model", "embedded", "--num-requests", "3", "--repeats", "1"]

@@ -11,7 +11,9 @@ fourth session this host work, not the GPU, set the step time of one request on 
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +23,10 @@ from minisgl.engine.engine import upload
 from minisgl.engine.sampler import Sampler
 from minisgl.kvcache.manager import KVCacheManager
 from minisgl.scheduler.batch_builder import build_batch
-from minisgl.utils.torch_utils import PinnedStaging, resolve_device
+from minisgl.utils.torch_utils import PinnedStaging
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offline"))
+from common import run_device  # one line, not a traceback, where the device is missing
 
 VOCAB_SIZE = 151936  # Qwen3's: where top-k is off, the sampler sends the vocabulary size
 
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     args = parser.parse_args(argv)
-    device = resolve_device(args.device)
+    device = run_device(args.device)
     torch.set_num_threads(1)
     rows = []
     print(f"{'batch':>6} {'median us/step':>15} {'p90 us/step':>12}")
