@@ -247,6 +247,8 @@ def test_offline_constrained_batch_is_the_same_with_overlap_on_and_off(
         StructuredOutput(json_schema='{"type": "object", "required": [["a"]]}'),
         StructuredOutput(grammar="root ::= root"),  # no token allowed: token 0 came out before
         StructuredOutput(regex="[^\\s\\S]"),
+        # text after the schema: xgrammar compiled the first value, unchecked (uniqueItems)
+        StructuredOutput(json_schema='{"type": "array", "uniqueItems": true} x'),
     ],
 )
 def test_offline_constraint_that_does_not_compile_raises_and_leaks_nothing(
@@ -979,6 +981,22 @@ def test_a_grammar_that_can_only_end_ends_before_min_tokens(stories_llm: LLM) ->
     assert held["text"] == free["text"] == "Lily"
     assert held["token_ids"] == free["token_ids"] and held["finish_reason"] == "stop"
     assert free["token_ids"][-1] in stories_llm.scheduler.eos_ids
+
+
+def test_a_grammar_that_ends_under_ignore_eos_names_no_stop_token(stories_llm: LLM) -> None:
+    """Its last token is an eos that ignore_eos made no stop token; without ignore_eos it is
+    named as a stop token is (the model's second eos, 1, here)."""
+    choice = SamplingParams(
+        temperature=0, max_tokens=20, structured=StructuredOutput(choice=["Lily"])
+    )
+    outs = stories_llm.generate(
+        ["Once upon a time"] * 2, [choice, replace(choice, ignore_eos=True)], use_tqdm=False
+    )
+    assert [(o["text"], o["finish_reason"], o["stop_reason"]) for o in outs] == [
+        ("Lily", "stop", 1),
+        ("Lily", "stop", None),
+    ]
+    assert outs[0]["token_ids"] == outs[1]["token_ids"]
 
 
 def test_offline_a_constraint_after_a_token_holds_only_what_follows_it(

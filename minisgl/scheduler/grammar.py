@@ -284,11 +284,13 @@ def _grammar(compiler: _Compiler, spec: StructuredOutput) -> Any:
     disable_any_whitespace): sampled whitespace otherwise runs to the token limit."""
     c = compiler.compiler
     if spec.json_schema is not None:
-        try:
-            schemas = [json.loads(spec.json_schema)]
-        except json.JSONDecodeError:  # xgrammar names the error
-            schemas = []
-        _refuse_unenforced(schemas=schemas)
+        try:  # as vLLM: xgrammar would compile the first value of '{...} x' and skip the checks
+            schema = json.loads(spec.json_schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"invalid structured output: the JSON schema is not JSON: {e}"
+            ) from None
+        _refuse_unenforced(schemas=[schema])
         return c.compile_json_schema(spec.json_schema, any_whitespace=False)
     if spec.json_object:  # not strict: an object may have any properties
         return c.compile_json_schema(_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)

@@ -323,7 +323,8 @@ class Scheduler:
                 and self.grammars.has(req.rid)
                 and self.grammars.accept(req.rid, tokens[i])
             ):
-                finish = finish or ("stop", tokens[i])  # the grammar is complete
+                # complete: no stop token ended it (under ignore_eos the eos is none), so none is named
+                finish = finish or ("stop", None)
             if finish is not None:
                 out.finished.append(self._finish(req, *finish))
         return out
