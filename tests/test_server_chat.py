@@ -199,6 +199,32 @@ def test_chat_template_bos_is_not_doubled() -> None:
     assert ids[0] == tokenizer.bos_token_id and tokenizer.bos_token_id not in ids[1:]
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [_TOOL]}, "tool_choice"),  # auto without --tool-call-parser
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice"),
+        ({"tools": [_TOOL], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
+    ],
+)  # fmt: skip
+def test_a_refused_tool_or_output_constraint_names_its_field(
+    server: ServerProcess, fields: dict, param: str
+) -> None:
+    response = server.post(
+        "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **fields}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
 def test_tools_with_tool_choice_auto_need_a_tool_call_parser(server: ServerProcess) -> None:
     """As vLLM: auto needs --tool-call-parser; none needs no parser."""
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

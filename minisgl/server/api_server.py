@@ -319,7 +319,7 @@ def _strict_calls(
         return params
     if params.structured is not None:
         raise ApiError(400, "strict tools with tool_choice auto cannot be combined with another "
-                       "structured output")  # fmt: skip
+                       "structured output", param="tools")  # fmt: skip
     tag = TOOL_PARSERS[args.tool_call_parser].structural_tag(tools, body.parallel)
     return replace(params, structured=StructuredOutput(structural_tag=tag))
 
@@ -351,7 +351,7 @@ def _reply_parser(
     mode, name = body.tool_use()
     if mode == "auto" and args.tool_call_parser is None:
         raise ApiError(400, "tools with tool_choice auto need the server started with "
-                       "--tool-call-parser")  # fmt: skip
+                       "--tool-call-parser", param="tool_choice")  # fmt: skip
     tools: Callable[[], ToolParser] | None = {
         "none": None,
         "auto": lambda: TOOL_PARSERS[args.tool_call_parser](body.parallel),  # type: ignore[index]

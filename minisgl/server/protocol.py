@@ -249,7 +249,10 @@ class _GenerateRequest(_Body):
         elif self.response_format is not None and self.response_format.type == "json_schema":
             schema = self.response_format.json_schema
             if schema is None or schema.schema_ is None:
-                raise ApiError(400, "response_format json_schema needs json_schema.schema")
+                raise ApiError(
+                    400, "response_format json_schema needs json_schema.schema",
+                    param="response_format.json_schema.schema",
+                )  # fmt: skip
             given.append(_structured_output("json_schema", schema.schema_))
         so = self.structured_outputs or StructuredOutputs()
         if so.json_object:
@@ -263,7 +266,7 @@ class _GenerateRequest(_Body):
         given += [_structured_output(kind, value) for kind, value in sources if value is not None]
         if len(given) > 1:
             raise ApiError(400, "give one output constraint: response_format, structured_outputs "
-                           "or guided_* name more than one")  # fmt: skip
+                           "or guided_* name more than one", param="response_format")  # fmt: skip
         return given[0] if given else None
 
     def _params(
@@ -597,7 +600,7 @@ class ChatCompletionRequest(_GenerateRequest, _Rendering):
             return params
         if params.structured is not None:
             raise ApiError(400, "tool_choice required or a named function cannot be combined "
-                           "with another structured output")  # fmt: skip
+                           "with another structured output", param="tool_choice")  # fmt: skip
         structured = _structured_output("json_schema", schema)
         return replace(params, structured=structured)
 
@@ -613,11 +616,14 @@ class ChatCompletionRequest(_GenerateRequest, _Rendering):
         for a choice that does not fit the tools."""
         choice = self.tool_choice or ("auto" if self.tools else "none")
         if choice != "none" and not self.tools:
-            raise ApiError(400, "tool_choice needs tools")
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
         mode, name = (choice, None) if isinstance(choice, str) else ("named", choice.function.name)
         tools = self.tools or []
         if name is not None and name not in [t.function.name for t in tools]:
-            raise ApiError(400, f"tool_choice names the function `{name}`, which tools lack")
+            raise ApiError(
+                400, f"tool_choice names the function `{name}`, which tools lack",
+                param="tool_choice",
+            )  # fmt: skip
         return mode, name  # type: ignore[return-value]
 
     def strict_calls(self) -> list[tuple[str, dict[str, Any]]] | None:
