@@ -299,6 +299,33 @@ def test_a_structured_output_holds_the_reply_from_the_end_of_its_thinking(
     assert off[0]["reasoning"] is None and off[0]["content"].startswith("{"), off
 
 
+@pytest.mark.parametrize(
+    ("rendering", "param"),
+    [
+        (
+            {"add_generation_prompt": False, "continue_final_message": True},
+            "continue_final_message",
+        ),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ],
+)
+def test_a_structured_output_after_thinking_needs_a_new_turn(
+    thinking_server: ServerProcess, rendering: dict[str, bool], param: str
+) -> None:
+    """Qwen3's template closes the thinking of the message continued: held after a `</think>`
+    that never came, the reply was free text, all of it read as reasoning (a review found)."""
+    messages = [*QUESTION, {"role": "assistant", "content": "Here:"}]
+    body = {"model": "qwen", "messages": messages, "max_tokens": 8,
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    refused = thinking_server.post("/v1/chat/completions", json={**body, **rendering})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    off = {**body, **rendering, "chat_template_kwargs": NO_THINKING}
+    held = thinking_server.post("/v1/chat/completions", json=off)
+    assert held.status_code == 200 and held.json()["choices"][0]["message"]["content"].startswith(
+        "{"
+    )
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_required_tool_calls_follow_the_thinking(
     thinking_server: ServerProcess, stream: bool

@@ -339,6 +339,17 @@ def _held_after_thinking(
     parser = REASONING_PARSERS[args.reasoning_parser]
     if not parser.thinks(body.chat_template_kwargs or {}):
         return params
+    if body.continue_final_message or not body.add_generation_prompt:
+        # the prompt's last message may have closed the thinking already (Qwen3's template
+        # closes it in the message continued): the constraint would wait for a `</think>` that
+        # never comes, and the reply would be read as thinking
+        raise ApiError(
+            400, "with --reasoning-parser a structured output holds the reply from the end of its "
+            "thinking, which the prompt's last message may already have closed: start a new turn "
+            "(add_generation_prompt true, continue_final_message false) or turn thinking off "
+            "(chat_template_kwargs enable_thinking false)",
+            param="continue_final_message" if body.continue_final_message else "add_generation_prompt",
+        )  # fmt: skip
     return replace(params, structured=replace(params.structured, after=parser.end))
 
 
