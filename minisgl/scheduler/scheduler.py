@@ -323,7 +323,7 @@ class Scheduler:
                 and self.grammars.has(req.rid)
                 and self.grammars.accept(req.rid, tokens[i])
             ):
-                # complete: no stop token ended it (under ignore_eos the eos is none), so none is named
+                # complete: no stop token ended it (ignore_eos made the eos none), so none is named
                 finish = finish or ("stop", None)
             if finish is not None:
                 out.finished.append(self._finish(req, *finish))

@@ -348,7 +348,10 @@ def _held_after_thinking(
             "thinking, which the prompt's last message may already have closed: start a new turn "
             "(add_generation_prompt true, continue_final_message false) or turn thinking off "
             "(chat_template_kwargs enable_thinking false)",
-            param="continue_final_message" if body.continue_final_message else "add_generation_prompt",
+            param=(
+                "continue_final_message" if body.continue_final_message
+                else "add_generation_prompt"
+            ),
         )  # fmt: skip
     return replace(params, structured=replace(params.structured, after=parser.end))
 
