@@ -152,6 +152,14 @@ SESSIONS, QUESTIONS, PREFIX_WORDS = 4, 16, 40
 SMALL_POOL = ("--max-kv-tokens", "560", "--max-model-len", "512")
 
 
+def _router_sum(server: ServerProcess, name: str) -> float:
+    """The router's metric `name`, summed over its labels (the replicas)."""
+    found = re.search(r"its metrics at (\S+)/metrics\)", server.log())
+    assert found is not None, server.log()
+    samples = read_metrics(found.group(1))
+    return sum(value for sample, value in samples.items() if sample.startswith(name + "{"))
+
+
 def _prefix_hit_rate(tmp_path: Path, policy: str) -> float:
     """The share of prompt tokens found in the replicas' prefix caches, over the sessions run at
     once on fresh replicas behind `policy`."""
@@ -160,11 +168,10 @@ def _prefix_hit_rate(tmp_path: Path, policy: str) -> float:
     sessions = [[f"{p}\n{_text(rng, 2)}" for _ in range(QUESTIONS)] for p in prefixes]
     (tmp_path / policy).mkdir()
     server = _start(tmp_path / policy, "--router-policy", policy, *SMALL_POOL)
+    schedulers = [server.child(f"r{i}-scheduler-0") for i in range(2)]
 
     async def session(client, prompts: list[str], think: random.Random) -> None:
         for prompt in prompts:
-            # 8 tokens: the sessions' first requests overlap, which the cache-aware policy
-            # needs to tell the replicas apart (on equal loads it picks the same one)
             await client.completions.create(
                 model=MODEL, prompt=prompt, max_tokens=8, extra_body={"ignore_eos": True}
             )
@@ -175,7 +182,31 @@ def _prefix_hit_rate(tmp_path: Path, policy: str) -> float:
     async def run() -> None:
         client = server.async_client(max_retries=0, timeout=120)
         think = random.Random(3)
-        await asyncio.gather(*(session(client, prompts, think) for prompts in sessions))
+        # The cache-aware policy puts a new prefix on the replica with the fewest requests in
+        # flight (the first on equal loads), but reads loads the router has not yet counted
+        # for a request it routed a moment before: sent at once, 3 of the 4 sessions' first
+        # requests went to one replica in 1 of 3 runs on a busy machine. So each is sent once
+        # the router counts the one before, which the stopped schedulers keep in flight
+        # (round robin counts no loads, only its choices).
+        counted = (
+            "vllm_router_running_requests"
+            if policy == "cache_aware"
+            else "vllm_router_policy_decisions_total"
+        )
+        for pid in schedulers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            session_tasks = []
+            deadline = time.monotonic() + 60
+            for placed, prompts in enumerate(sessions, start=1):
+                session_tasks.append(asyncio.create_task(session(client, prompts, think)))
+                while await asyncio.to_thread(_router_sum, server, counted) < placed:
+                    assert time.monotonic() < deadline, f"the router counts {placed - 1} requests"
+                    await asyncio.sleep(0.05)
+        finally:
+            for pid in schedulers:
+                os.kill(pid, signal.SIGCONT)
+        await asyncio.gather(*session_tasks)
 
     try:
         asyncio.run(run())
@@ -188,7 +219,7 @@ def _prefix_hit_rate(tmp_path: Path, policy: str) -> float:
 
 def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(tmp_path: Path) -> None:
     """Measured on 2 cores: cache_aware 0.90 in every run (each replica serves two sessions,
-    whose prefixes its pool holds), round_robin 0.39-0.54 (each replica serves every session,
+    whose prefixes its pool holds), round_robin 0.39-0.59 (each replica serves every session,
     and its pool keeps evicting one prefix for another)."""
     cache_aware = _prefix_hit_rate(tmp_path, "cache_aware")
     round_robin = _prefix_hit_rate(tmp_path, "round_robin")
