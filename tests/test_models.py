@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3MoeConfig
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from minisgl import LLM, SamplingParams
 from minisgl.config import ConfigError, EngineConfig
@@ -309,6 +309,25 @@ def test_model_safetensors_is_the_checkpoint_whatever_lies_beside_it(
         with _llm(model) as llm:
             tokens.append(llm.generate([PROMPT], greedy, use_tqdm=False)[0]["token_ids"])
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize(
+    ("config", "label"),
+    [
+        # Hugging Face builds Qwen3-MoE (sliding on every layer); it was served as Qwen3, whose
+        # window follows layer_types, and its tokens differed past the window
+        (
+            Qwen3MoeConfig(use_sliding_window=True, sliding_window=16, mlp_only_layers=[0, 1]),
+            "Qwen3ForCausalLM",
+        ),
+        (Qwen3Config(), "Qwen3MoeForCausalLM"),  # it was an AttributeError (num_experts)
+    ],
+)
+def test_architectures_and_model_type_that_disagree_are_refused(config, label: str) -> None:
+    config.num_hidden_layers = 2
+    config.architectures = [label]
+    with pytest.raises(ConfigError, match=rf"architectures \({label}\) and model_type .* disagree"):
+        ModelConfig.from_hf(config)
 
 
 @pytest.mark.parametrize(

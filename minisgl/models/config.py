@@ -10,6 +10,7 @@ from minisgl.layers.rotary import RopeScaling
 class ArchTraits:
     """How one Hugging Face architecture differs from the plain Llama decoder."""
 
+    model_type: str  # its config's: Hugging Face builds the model that model_type names
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     qkv_bias: bool = False  # biases on q, k and v (never on o_proj)
     moe: bool = False  # sparse layers of routed experts (Qwen3-MoE's config fields)
@@ -21,12 +22,16 @@ class ArchTraits:
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
-    "LlamaForCausalLM": ArchTraits(bias_flags=("attention_bias", "mlp_bias")),
-    "MistralForCausalLM": ArchTraits(),  # its attention_bias is never read by Hugging Face
-    "Qwen2ForCausalLM": ArchTraits(qkv_bias=True),
-    "Qwen3ForCausalLM": ArchTraits(qk_norm=True, bias_flags=("attention_bias",)),
+    "LlamaForCausalLM": ArchTraits("llama", bias_flags=("attention_bias", "mlp_bias")),
+    "MistralForCausalLM": ArchTraits("mistral"),  # its attention_bias is never read by HF
+    "Qwen2ForCausalLM": ArchTraits("qwen2", qkv_bias=True),
+    "Qwen3ForCausalLM": ArchTraits("qwen3", qk_norm=True, bias_flags=("attention_bias",)),
     "Qwen3MoeForCausalLM": ArchTraits(
-        qk_norm=True, moe=True, bias_flags=("attention_bias",), window_by_layer_types=False
+        "qwen3_moe",
+        qk_norm=True,
+        moe=True,
+        bias_flags=("attention_bias",),
+        window_by_layer_types=False,
     ),
 }
 
@@ -87,6 +92,13 @@ class ModelConfig:
                 f"unsupported architecture {archs}; supported: {', '.join(sorted(ARCHITECTURES))}"
             )
         traits = ARCHITECTURES[arch]
+        if config.model_type != traits.model_type:
+            # which of the two Hugging Face would run is not ours to guess: a Qwen3-MoE config
+            # labelled Qwen3 was served with Qwen3's window, and its tokens differed
+            raise ConfigError(
+                f"the config's architectures ({arch}) and model_type ({config.model_type!r}) "
+                f"disagree: {arch} has model_type {traits.model_type!r}"
+            )
         quantization = getattr(config, "quantization_config", None)
         if quantization is not None:
             method = (
