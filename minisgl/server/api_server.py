@@ -301,7 +301,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             stream=body.stream, include_usage=body.include_usage, timeout=args.request_timeout,
         )  # fmt: skip
 
-    # every method and path of it (the openai client's retrieve, delete, ... too), not a 405
+    # every call the openai client makes to it (create, retrieve, delete, cancel...), not a 405
     @app.api_route("/v1/responses{rest:path}", methods=["GET", "POST", "DELETE"])
     async def responses(request: Request) -> Response:
         raise ApiError(404, "the Responses API is not served here; use /v1/chat/completions")
@@ -419,7 +419,8 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
     headers (or trailers) counts whole instead; the read that ends headers begun in an earlier
     one does not count. And a client that leaves is told to the request being served, not only to
     the newest one: uvicorn marks only a pipelined request queued behind it, and a non-streamed
-    one ran on to its end."""
+    one ran on to its end. The body of a request answered before it came (a 401, a 404, a 413)
+    is idle-timed too: its bytes stopped the timer uvicorn starts at the answer."""
 
     def __init__(self, *args: Any, max_header_bytes: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -467,6 +468,13 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
             self.timeout_keep_alive_task = timer
         elif timer is not None:
             timer.cancel()
+        answered = self.cycle is not None and self.cycle.response_complete
+        if answered and not self._in_headers and not self.transport.is_closing():
+            # the body of a request answered before it came (401, 404, 413) goes on: idle
+            # from its last byte, as read_body times a body
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
 
     def _count(self, size: int) -> None:
         if self._began_in_read or self._in_body:

@@ -647,6 +647,35 @@ def test_a_request_whose_body_stalls_gets_a_408_and_is_closed(server: ServerProc
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("route", "length", "key", "status"),
+    [
+        (COMPLETIONS, 1000, False, b"401"),
+        ("/v1/responses", 1000, True, b"404"),
+        (COMPLETIONS, 10**9, True, b"413"),
+    ],
+    ids=["401", "404", "413"],
+)
+def test_a_body_that_goes_on_after_its_answer_then_stalls_is_closed(
+    server: ServerProcess, route: str, length: int, key: bool, status: bytes
+) -> None:
+    """Answered before its body came (no key, a route not served, a Content-Length over the
+    limit), a request whose body goes on arriving, then stops, is closed after the timeout as an
+    idle connection: the next bytes stopped the keep-alive timer, and the connection was held
+    for ever, key or not (300 of them held 300 file descriptors)."""
+    auth = f"Authorization: Bearer {API_KEY}\r\n" if key else ""
+    head = (
+        f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5 + 5)
+    with sock:
+        sock.sendall(head.encode() + b"{")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 " + status)
+        sock.sendall(b'"a')
+        assert closed_by_server([sock], timeout=5 + 5)
+
+
 def test_clients_that_leave_mid_body_leave_no_traceback(server: ServerProcess) -> None:
     head = (
         f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
