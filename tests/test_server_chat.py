@@ -213,7 +213,10 @@ _TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "o
           "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
          "response_format.json_schema.schema"),
-        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
+        # the second constraint given; it named response_format whichever two they were
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "guided_choice"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),  # it was null
     ],
 )  # fmt: skip
 def test_a_refused_tool_or_output_constraint_names_its_field(

@@ -182,12 +182,12 @@ class StructuredOutputs(_Strict):
     grammar: str | None = None
 
 
-def _structured_output(kind: str, value: Any) -> StructuredOutput:
-    """StructuredOutput(kind=value); what it refuses is a 400."""
+def _structured_output(kind: str, value: Any, field: str) -> StructuredOutput:
+    """StructuredOutput(kind=value), from the request's `field`; what it refuses is a 400."""
     try:
         return StructuredOutput(**{kind: value})
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=field) from None
 
 
 # the request fields that are SamplingParams' fields of the same name and meaning
@@ -243,31 +243,40 @@ class _GenerateRequest(_Body):
 
     def _structured(self) -> StructuredOutput | None:
         """The one output constraint given by response_format, structured_outputs or guided_*."""
-        given = []
+        given: list[tuple[str, StructuredOutput]] = []  # (the request field, its constraint)
         if self.response_format is not None and self.response_format.type == "json_object":
-            given.append(StructuredOutput(json_object=True))
+            given.append(("response_format", StructuredOutput(json_object=True)))
         elif self.response_format is not None and self.response_format.type == "json_schema":
+            field = "response_format.json_schema.schema"
             schema = self.response_format.json_schema
             if schema is None or schema.schema_ is None:
                 raise ApiError(
-                    400, "response_format json_schema needs json_schema.schema",
-                    param="response_format.json_schema.schema",
-                )  # fmt: skip
-            given.append(_structured_output("json_schema", schema.schema_))
+                    400, "response_format json_schema needs json_schema.schema", param=field
+                )
+            given.append((field, _structured_output("json_schema", schema.schema_, field)))
         so = self.structured_outputs or StructuredOutputs()
         if so.json_object:
-            given.append(StructuredOutput(json_object=True))
+            given.append(("structured_outputs.json_object", StructuredOutput(json_object=True)))
         sources = [
-            ("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
-            ("grammar", so.grammar), ("json_schema", self.guided_json),
-            ("regex", self.guided_regex), ("choice", self.guided_choice),
-            ("grammar", self.guided_grammar),
-        ]  # fmt: skip
-        given += [_structured_output(kind, value) for kind, value in sources if value is not None]
+            ("structured_outputs.json", "json_schema", so.json_),
+            ("structured_outputs.regex", "regex", so.regex),
+            ("structured_outputs.choice", "choice", so.choice),
+            ("structured_outputs.grammar", "grammar", so.grammar),
+            ("guided_json", "json_schema", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice),
+            ("guided_grammar", "grammar", self.guided_grammar),
+        ]
+        given += [
+            (field, _structured_output(kind, value, field))
+            for field, kind, value in sources
+            if value is not None
+        ]
         if len(given) > 1:
-            raise ApiError(400, "give one output constraint: response_format, structured_outputs "
-                           "or guided_* name more than one", param="response_format")  # fmt: skip
-        return given[0] if given else None
+            fields = ", ".join(field for field, _ in given)
+            raise ApiError(400, f"give one output constraint, not {len(given)} ({fields})",
+                           param=given[1][0])  # fmt: skip
+        return given[0][1] if given else None
 
     def _params(
         self,
@@ -601,7 +610,7 @@ class ChatCompletionRequest(_GenerateRequest, _Rendering):
         if params.structured is not None:
             raise ApiError(400, "tool_choice required or a named function cannot be combined "
                            "with another structured output", param="tool_choice")  # fmt: skip
-        structured = _structured_output("json_schema", schema)
+        structured = _structured_output("json_schema", schema, "tools")
         return replace(params, structured=structured)
 
     def _request_field(self, name: str) -> str:
