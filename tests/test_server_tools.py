@@ -383,6 +383,55 @@ def test_a_named_tool_choice_always_gives_that_call(server: ServerProcess, strea
         _check_arguments(*reply["calls"][0])
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_cut_by_a_stop_string_does_not_finish_as_tool_calls(
+    server: ServerProcess, stream: bool
+) -> None:
+    """A stop string inside a call's arguments cuts it (its brackets closed for it, as at
+    max_tokens): finish_reason stays stop, with the string as stop_reason; it was tool_calls,
+    a call the model never finished returned as one it had. One after the arguments ended cuts
+    nothing."""
+    forced = {"messages": QUESTION, "tools": TOOLS, "chat_template_kwargs": NO_THINKING,
+              "extra_body": _forced(CALL_TEXT)}  # fmt: skip
+    cut = _without_ids(_reply(server, stream, stop=["Par"], **forced)[0])
+    assert cut["calls"] == [("get_weather", {"city": ""})] and cut["finish_reason"] == "stop"
+    whole = _without_ids(_reply(server, stream, stop=["</tool_call>"], **forced)[0])
+    assert whole["calls"] == [("get_weather", {"city": "Paris", "unit": "c"})]
+    assert whole["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_continued_message_is_the_answer(thinking_server: ServerProcess, stream: bool) -> None:
+    """Qwen3's template closes the thinking of the message continued: the reply is content (it
+    came back as reasoning_content, and a call in it went unparsed)."""
+    said = {"role": "assistant", "content": "<think>\nEasy.\n</think>\n\nThe answer is"}
+    got = _reply(thinking_server, stream, messages=[*QUESTION, said], max_tokens=6, seed=2,
+                 extra_body={"continue_final_message": True, "add_generation_prompt": False})  # fmt: skip
+    assert got[0]["reasoning"] is None and got[0]["content"], got
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_choice_cut_while_thinking_makes_no_call(
+    thinking_server: ServerProcess, stream: bool
+) -> None:
+    """Random weights do not close the thinking within 8 tokens: no call was written, and none
+    comes back (it was add({}), which breaks the tool's schema)."""
+    choice = {"type": "function", "function": {"name": "add"}}
+    got = _reply(thinking_server, stream, messages=QUESTION, tools=TOOLS, tool_choice=choice,
+                 max_tokens=8, seed=1)  # fmt: skip
+    assert got[0]["calls"] == [] and got[0]["finish_reason"] == "length", got
+    assert got[0]["reasoning"], got
+
+
+def test_a_tool_whose_parameters_are_not_an_object_is_refused(server: ServerProcess) -> None:
+    """As OpenAI's (tool_choice required gave no call for it, only content)."""
+    echo = {"type": "function", "function": {"name": "echo", "parameters": {"type": "string"}}}
+    body = {"messages": QUESTION, "max_tokens": 2, "tools": [echo], "tool_choice": "required"}
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "tools.0.function.parameters"
+
+
 def test_tool_requests_that_cannot_be_served_are_refused(server: ServerProcess) -> None:
     before = server.metrics()
 

@@ -378,7 +378,7 @@ def _reply_parser(
     kwargs = body.chat_template_kwargs or {}
     constrained = params.structured is not None and params.structured.after is None
     return lambda: ReplyParser(
-        None if reasoning is None else reasoning(kwargs, constrained),
+        None if reasoning is None else reasoning(kwargs, constrained, body.continue_final_message),
         None if tools is None else tools(),
     )
 

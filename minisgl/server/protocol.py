@@ -470,6 +470,14 @@ class FunctionDefinition(_Strict):
     parameters: dict[str, Any] | None = None  # a JSON schema
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        """As OpenAI's: a call's arguments are an object (`required` gave none for another)."""
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ValueError(f'must be a schema of type "object", not {parameters["type"]!r}')
+        return parameters
+
     def schema(self) -> dict[str, Any]:
         """The parameters a constraint holds a call to; a 400 where they nest past the bound a
         structured output's schema has (1,000 levels were a RecursionError: a 500)."""

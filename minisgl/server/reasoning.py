@@ -21,12 +21,17 @@ class Qwen3ReasoningParser:
     `</think>` in the reply. A reply that never closes the block was cut short while thinking: it
     is all reasoning. With thinking off (`chat_template_kwargs: {"enable_thinking": false}`) the
     whole reply is the answer. So is a `constrained` reply (a structured output held it from its
-    first token: JSON, a regex, a choice) that does not open the block itself."""
+    first token: JSON, a regex, a choice) that does not open the block itself, and a reply that
+    `continues` the prompt's last message (continue_final_message): the template closes that
+    message's thinking."""
 
     start, end = "<think>", "</think>"
 
-    def __init__(self, template_kwargs: dict[str, object], constrained: bool = False) -> None:
-        self._state = "start" if self.thinks(template_kwargs) else "answer"  # -> thinking -> answer
+    def __init__(
+        self, template_kwargs: dict[str, object], constrained: bool = False, continues: bool = False
+    ) -> None:
+        thinks = self.thinks(template_kwargs) and not continues
+        self._state = "start" if thinks else "answer"  # -> thinking -> answer
         self._constrained = constrained
         self._held = ""
 

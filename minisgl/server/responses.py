@@ -194,8 +194,9 @@ class ReplyParser:
 class ChatFormat(ReplyFormat):
     """With a `new_parser` (the server's --reasoning-parser, the request's tools), each choice's
     reply is parsed: reasoning_content (null without `include_reasoning`, as vLLM's), content
-    (null when empty), tool_calls, and the finish_reason `tool_calls` for a reply that made calls
-    (`stop` for a named tool_choice's, as OpenAI's)."""
+    (null when empty), tool_calls, and the finish_reason `tool_calls` for a reply whose calls
+    ended on their own (`stop` for a named tool_choice's, as OpenAI's; a call cut short by a stop
+    string keeps `stop`, with the string as stop_reason)."""
 
     id_prefix = "chatcmpl"
     object = "chat.completion"
@@ -237,7 +238,14 @@ class ChatFormat(ReplyFormat):
             message = self._message(reasoning, content, calls, parser, delta)
             if delta and not message and not first and not piece.logprobs and not piece.end:
                 return None  # all held back: nothing to send yet
-            if parser.tools is not None and parser.num_calls and finish_reason == "stop":
+            # calls cut short by a stop string were returned as finished ones
+            cut = parser.tools is not None and parser.tools.reply.cut
+            if (
+                parser.tools is not None
+                and parser.num_calls
+                and not cut
+                and finish_reason == "stop"
+            ):
                 finish_reason = parser.tools.calls_finish_reason
         if delta:
             out["delta"] = {"role": "assistant", **message} if first else message

@@ -210,6 +210,7 @@ class _Reply:
 
     def __init__(self) -> None:
         self.num_calls = 0
+        self.cut = False  # a call's arguments were closed for it: it did not end on its own
         self._ws = ""
         self._out: list[str] = []
         self._deltas: list[CallDelta] = []
@@ -229,6 +230,11 @@ class _Reply:
     def arguments(self, text: str) -> None:
         if text:
             self._deltas.append(CallDelta(self.num_calls - 1, text))
+
+    def close(self, args: "_ValueEnd") -> None:
+        """Closes the arguments of the call cut short (by the reply's end or a closing tag)."""
+        self.arguments(args.closing())
+        self.cut = True
 
     def take(self, final: bool = False) -> tuple[str, list[CallDelta]]:
         if final and not self.num_calls:  # held whitespace was the content after all
@@ -350,7 +356,7 @@ class HermesToolParser:
                 if not tag and not final:
                     self._held = before[len(before) - keep :]
                     return
-                self.reply.arguments(self._args.closing())
+                self.reply.close(self._args)
                 self._state, text = "text", rest
             else:  # after a call's arguments: up to the closing tag
                 before, tag, text = text.partition(self.close)
@@ -405,7 +411,7 @@ class JsonArrayToolParser:
                     self.reply.arguments(text if end is None else text[:end])
                 if end is None:
                     if final and self._wanted:
-                        self.reply.arguments(self._args.closing())
+                        self.reply.close(self._args)
                     return
                 self._state, text = "end", text[end:]
                 continue
@@ -460,10 +466,10 @@ class NamedToolParser:
         return self.reply.take()
 
     def finish(self) -> tuple[str, list[CallDelta]]:
-        if not self.reply.num_calls:  # cut short before its arguments began
-            self.reply.new_call(self.name, "{}")
-        else:
-            self.reply.arguments(self._args.closing())
+        """A reply cut short before its arguments began (while thinking) made no call: OpenAI
+        never returns one the model did not write."""
+        if self.reply.num_calls and self._args.closers:
+            self.reply.close(self._args)
         return self.reply.take(final=True)
 
 
