@@ -10,6 +10,7 @@ whole decode may render differently: their tokens are compared by logprob."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,9 +151,9 @@ def test_a_grammar_past_its_timeout_holds_no_rank_and_constraints_hold_on_both(
         s.stop()
 
 
-def _start_node1(tmp_path: Path) -> tuple[subprocess.Popen, tuple[str, ...]]:
-    """Node 1's launcher, started first (it waits for node 0), and the flags both nodes share:
-    two launchers on loopback, as on two machines, a rank each."""
+def _start_node1(tmp_path: Path, *own: str) -> tuple[subprocess.Popen, tuple[str, ...]]:
+    """Node 1's launcher, started first (it waits for node 0), and the flags both nodes share
+    (node 1 also takes its `own`): two launchers on loopback, as on two machines, a rank each."""
     init = f"127.0.0.1:{free_port()}"
     nodes = (*SETTINGS, "--tp", "2", "--nnodes", "2", "--dist-init-addr", init)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
@@ -160,7 +161,7 @@ def _start_node1(tmp_path: Path) -> tuple[subprocess.Popen, tuple[str, ...]]:
         env["CUDA_VISIBLE_DEVICES"] = "1"
     with open(tmp_path / "node1.log", "w") as log:
         node1 = subprocess.Popen(
-            [sys.executable, "-m", "minisgl", *nodes, "--node-rank", "1"],
+            [sys.executable, "-m", "minisgl", *nodes, *own, "--node-rank", "1"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )  # fmt: skip
     return node1, nodes
@@ -186,6 +187,24 @@ def test_two_nodes_of_a_rank_each_give_tp1s_tokens(tmp_path: Path) -> None:
         assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()
         wait_for(lambda: not [pid for pid in node1_children if alive(pid)], 10, "children left")
     finally:  # what a failure left running
+        if node0 is not None:
+            node0.kill()
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait()
+
+
+def test_nodes_started_unalike_stop_at_the_start_naming_the_setting(tmp_path: Path) -> None:
+    """Node 1 with a smaller --chunk-size: both started and /health said 200, and the first
+    prompt longer than its chunk broke a collective (gloo's size mismatch) and killed both."""
+    node1, nodes = _start_node1(tmp_path, "--chunk-size", "8")
+    why = "TP rank 1 was started with chunk_size 8 (rank 0: "
+    node0 = None
+    try:
+        with pytest.raises(AssertionError, match=re.escape(why)):
+            node0 = ServerProcess(tmp_path, *nodes, "--node-rank", "0")  # its start fails
+        assert node1.wait(timeout=30) == 1 and why in (tmp_path / "node1.log").read_text()
+    finally:
         if node0 is not None:
             node0.kill()
         if node1.poll() is None:

@@ -6,7 +6,8 @@ other message is (`minisgl.messages`). A group reaches the other machines throug
 TP group met at: a multi-node run needs no other port, and nothing is bound per rank. An idle
 rank 0 sends a turn that is none at each turn of its idle loop (`ping`), which fails once a rank
 is gone. While requests wait for their grammars, every rank also combines its flags with the
-others' once a turn (`agree`), so that they start the same requests in the same step.
+others' once a turn (`agree`), so that they start the same requests in the same step. At the
+start, every rank checks that it was given rank 0's settings (`check_same`).
 """
 
 from datetime import timedelta
@@ -14,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from minisgl.config import ConfigError
 from minisgl.messages import (
     AbortRequest,
     AddRequests,
@@ -52,6 +54,24 @@ class Lockstep:
             dist.broadcast(torch.tensor([_PING]), 0, group=self._group)
         except RuntimeError as e:
             raise RuntimeError(f"rank 0: another TP rank is gone ({e})") from None
+
+    def check_same(self, settings: dict[str, object]) -> None:
+        """Raise ConfigError on every rank unless each was started with rank 0's `settings`: a
+        rank whose steps take another shape (a smaller chunk, say) broke the first collective
+        they differed in, which killed the server at its first such request."""
+        every: list[dict[str, object] | None] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(every, settings, group=self._group)
+        first = every[0]
+        assert first is not None
+        for rank, theirs in enumerate(every[1:], start=1):
+            assert theirs is not None
+            if differ := [name for name in first if theirs[name] != first[name]]:
+                given = ", ".join(
+                    f"{name} {theirs[name]!r} (rank 0: {first[name]!r})" for name in differ
+                )
+                raise ConfigError(
+                    f"TP rank {rank} was started with {given}: start every node alike"
+                )
 
     def agree(self, flags: list[int]) -> list[int]:
         """Every rank's flags combined by their minimum: each rank calls it at the same point of

@@ -11,6 +11,7 @@ second, however long a step takes. The offline LLM is rank 0 itself, and starts 
 as these processes.
 """
 
+import dataclasses
 import threading
 import time
 
@@ -152,6 +153,14 @@ class SchedulerWorker:
         return out
 
 
+# what shapes a rank's steps (its model path may differ by machine; the KV pool is the smallest
+# rank's, whatever each was given)
+_SAME_ON_EVERY_RANK = (
+    "dtype", "page_size", "max_running_requests", "max_model_len", "attention_backend",
+    "moe_backend", "cuda_graph_max_bs", "dummy_weights",
+)  # fmt: skip
+
+
 def start_worker(
     engine_config: EngineConfig, scheduler_config: SchedulerConfig, wait_for_grammars: bool
 ) -> SchedulerWorker:
@@ -167,6 +176,12 @@ def start_worker(
     lockstep = None
     if engine_config.tp_size > 1:
         lockstep = Lockstep()
+        lockstep.check_same(
+            {
+                **dataclasses.asdict(scheduler_config),
+                **{name: getattr(engine_config, name) for name in _SAME_ON_EVERY_RANK},
+            }
+        )
         dist.barrier()
     return SchedulerWorker(scheduler, engine_config.tp_rank, lockstep)
 
