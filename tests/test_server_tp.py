@@ -8,6 +8,7 @@ CUDA and has them.
 The random models' byte tokens are invalid UTF-8, whose text the streaming detokenizer and a
 whole decode may render differently: their tokens are compared by logprob."""
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -151,9 +153,13 @@ def test_a_grammar_past_its_timeout_holds_no_rank_and_constraints_hold_on_both(
         s.stop()
 
 
-def _start_node1(tmp_path: Path, *own: str) -> tuple[subprocess.Popen, tuple[str, ...]]:
-    """Node 1's launcher, started first (it waits for node 0), and the flags both nodes share
-    (node 1 also takes its `own`): two launchers on loopback, as on two machines, a rank each."""
+@contextlib.contextmanager
+def _two_nodes(
+    tmp_path: Path, *own: str
+) -> Iterator[tuple[subprocess.Popen, Callable[[], ServerProcess]]]:
+    """Node 1's launcher, started first (it waits for node 0; it takes the flags both nodes
+    share and its `own`), and what starts node 0's: two launchers on loopback, as on two
+    machines, a rank each. What a failure left running of either is killed at the end."""
     init = f"127.0.0.1:{free_port()}"
     nodes = (*SETTINGS, "--tp", "2", "--nnodes", "2", "--dist-init-addr", init)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
@@ -164,7 +170,20 @@ def _start_node1(tmp_path: Path, *own: str) -> tuple[subprocess.Popen, tuple[str
             [sys.executable, "-m", "minisgl", *nodes, *own, "--node-rank", "1"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )  # fmt: skip
-    return node1, nodes
+    started: list[ServerProcess] = []
+
+    def start_node0() -> ServerProcess:
+        started.append(ServerProcess(tmp_path, *nodes, "--node-rank", "0"))
+        return started[-1]
+
+    try:
+        yield node1, start_node0
+    finally:
+        for node0 in started:
+            node0.kill()
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait()
 
 
 def test_two_nodes_of_a_rank_each_give_tp1s_tokens(tmp_path: Path) -> None:
@@ -172,10 +191,8 @@ def test_two_nodes_of_a_rank_each_give_tp1s_tokens(tmp_path: Path) -> None:
     TCP at --dist-init-addr (no ipc socket crosses machines). When node 0 stops, node 1's
     launcher ends by itself, leaving nothing behind."""
     want = LLM(**REFERENCE).generate(PROMPTS, GREEDY, use_tqdm=False)
-    node1, nodes = _start_node1(tmp_path)
-    node0 = None
-    try:
-        node0 = ServerProcess(tmp_path, *nodes, "--node-rank", "0")
+    with _two_nodes(tmp_path) as (node1, start_node0):
+        node0 = start_node0()
         node1_children = children(node1.pid)
         batch = node0.client().completions.create(
             model="stories260K", prompt=PROMPTS, temperature=0, max_tokens=MAX_TOKENS, logprobs=2,
@@ -186,46 +203,24 @@ def test_two_nodes_of_a_rank_each_give_tp1s_tokens(tmp_path: Path) -> None:
         node0.stop(signal.SIGTERM)
         assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()
         wait_for(lambda: not [pid for pid in node1_children if alive(pid)], 10, "children left")
-    finally:  # what a failure left running
-        if node0 is not None:
-            node0.kill()
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-            node1.wait()
 
 
 def test_nodes_started_unalike_stop_at_the_start_naming_the_setting(tmp_path: Path) -> None:
     """Node 1 with a smaller --chunk-size: both started and /health said 200, and the first
     prompt longer than its chunk broke a collective (gloo's size mismatch) and killed both."""
-    node1, nodes = _start_node1(tmp_path, "--chunk-size", "8")
     why = "TP rank 1 was started with chunk_size 8 (rank 0: "
-    node0 = None
-    try:
+    with _two_nodes(tmp_path, "--chunk-size", "8") as (node1, start_node0):
         with pytest.raises(AssertionError, match=re.escape(why)):
-            node0 = ServerProcess(tmp_path, *nodes, "--node-rank", "0")  # its start fails
+            start_node0()  # its launcher exits during the start
         assert node1.wait(timeout=30) == 1 and why in (tmp_path / "node1.log").read_text()
-    finally:
-        if node0 is not None:
-            node0.kill()
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-            node1.wait()
 
 
 def test_a_lost_node_ends_an_idle_server(tmp_path: Path) -> None:
     """Node 1 killed outright (its machine lost) while no request runs: node 0 ends within
     seconds, leaving nothing behind, instead of failing the next request."""
-    node1, nodes = _start_node1(tmp_path)
-    node0 = None
-    try:
-        node0 = ServerProcess(tmp_path, *nodes, "--node-rank", "0")
+    with _two_nodes(tmp_path) as (node1, start_node0):
+        node0 = start_node0()
         os.killpg(node1.pid, signal.SIGKILL)
         node1.wait()
         assert node0.wait_exit(timeout=15) == 1, node0.log()
         assert "another TP rank is gone" in node0.log()
-    finally:
-        if node0 is not None:
-            node0.kill()
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-            node1.wait()
