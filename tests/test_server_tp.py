@@ -193,6 +193,7 @@ def test_two_nodes_of_a_rank_each_give_tp1s_tokens(tmp_path: Path) -> None:
     want = LLM(**REFERENCE).generate(PROMPTS, GREEDY, use_tqdm=False)
     with _two_nodes(tmp_path) as (node1, start_node0):
         node0 = start_node0()
+        assert "node 0 of 2 runs TP ranks 0-0; waiting for the other nodes at" in node0.log()
         node1_children = children(node1.pid)
         batch = node0.client().completions.create(
             model="stories260K", prompt=PROMPTS, temperature=0, max_tokens=MAX_TOKENS, logprobs=2,

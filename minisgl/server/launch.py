@@ -321,6 +321,12 @@ def launch(args: ServerArgs) -> int:
             _start(args, servers[0])
             if args.node_rank > 0:
                 return _follow(args, servers[0])
+            if args.engine.nnodes > 1:  # its start waits for them: say so, not nothing
+                ranks = _node_ranks(args)
+                _say(
+                    f"node 0 of {args.engine.nnodes} runs TP ranks 0-{ranks.stop - 1}; waiting "
+                    f"for the other nodes at {args.dist_init_addr}"
+                )
             _wait_ready(url + "/health", servers[0])
             behind, replica_urls = "", []
         else:
