@@ -19,7 +19,7 @@ from minisgl.messages import TokenizeRequest, decode, encode
 from minisgl.server.cli import parse_args
 from minisgl.server.errors import ApiError
 from minisgl.server.protocol import ChatCompletionRequest, ChatMessage, parse_body
-from minisgl.server.tool_parser import HermesToolParser
+from minisgl.server.tool_parser import HermesToolParser, merge_calls
 from minisgl.tokenizer.loader import load_tokenizer, prompt_ids
 
 from .conftest import QWEN3_TOKENIZER
@@ -492,6 +492,22 @@ def test_under_auto_a_tool_that_is_not_strict_takes_any_object() -> None:
                      (CALL_TEXT.replace("Paris", "Rome"), False),
                      ('<tool_call>\n{"name": "add", "arguments": {"x": []}}\n</tool_call>', True)]:  # fmt: skip
         assert xgrammar.testing._is_grammar_accept_string(grammar, text) == ok, text
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_a_closing_tag_inside_a_string_argument_is_its_text(piece: int) -> None:
+    """The block ended at the first `</tool_call>`, inside the string: the call's arguments
+    were `{"city": "a"}` and the rest of the block came back as content."""
+    text = f"{CALL_TEXT.replace('Paris', 'a</tool_call>b')}\nDone."
+    parser = HermesToolParser()
+    content, deltas = "", []
+    for i in range(0, len(text), piece):
+        more, calls = parser.feed(text[i : i + piece])
+        content, deltas = content + more, deltas + calls
+    more, calls = parser.finish()
+    [call] = merge_calls(deltas + calls)
+    assert json.loads(call["function"]["arguments"]) == {"city": "a</tool_call>b", "unit": "c"}
+    assert content + more == "\nDone." and not parser.reply.cut
 
 
 def _tool(name: str, parameters: dict) -> dict:

@@ -353,6 +353,11 @@ class HermesToolParser:
                     self._state, text = "after", text[end:]
                     continue
                 self.reply.arguments(piece)
+                if tag and self._args.in_string:  # the tag is text of a string argument
+                    self._args.feed(self.close)
+                    self.reply.arguments(self.close)
+                    text = rest
+                    continue
                 if not tag and not final:
                     self._held = before[len(before) - keep :]
                     return
