@@ -420,7 +420,10 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
     one does not count. And a client that leaves is told to the request being served, not only to
     the newest one: uvicorn marks only a pipelined request queued behind it, and a non-streamed
     one ran on to its end. The body of a request answered before it came (a 401, a 404, a 413)
-    is idle-timed too: its bytes stopped the timer uvicorn starts at the answer."""
+    is idle-timed too: its bytes stopped the timer uvicorn starts at the answer. And a client
+    that takes none of its response for a whole timeout (its writes paused) is cut off: a stream
+    to one that stopped reading held its connection for ever, and its requests ran to their
+    max_tokens (nginx's send_timeout)."""
 
     def __init__(self, *args: Any, max_header_bytes: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -435,6 +438,7 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
         self._ended_in_read = False  # a request ended in the read being parsed
         self._header_bytes = 0
         self._serving: RequestResponseCycle | None = None  # the request whose app runs
+        self._write_timer: asyncio.TimerHandle | None = None  # while writes are paused
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
@@ -443,7 +447,34 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
         self._serving = cycle
         super()._start_asgi_task(cycle, app)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch_writes(self.transport.get_write_buffer_size())
+
+    def resume_writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().resume_writing()
+
+    def _watch_writes(self, waiting: int) -> None:
+        self._write_timer = self.loop.call_later(
+            self.timeout_keep_alive, self._writes_stalled, waiting
+        )
+
+    def _writes_stalled(self, waiting: int) -> None:
+        """A timeout after `waiting` bytes were left for the client: it took some, or is cut off
+        (abort: close would wait for bytes it never takes)."""
+        left = self.transport.get_write_buffer_size()
+        if left < waiting:
+            self._watch_writes(left)
+        else:
+            self._write_timer = None
+            self.transport.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
         super().connection_lost(exc)
         serving = self._serving
         if serving is not None and serving is not self.cycle and not serving.response_complete:

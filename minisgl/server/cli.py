@@ -101,8 +101,9 @@ _HELP = {
     "answered with 503",
     "health_timeout": "/health answers 503 once the engine has sent no heartbeat for this many "
     "seconds",
-    "timeout_keep_alive": "seconds an HTTP connection may stay idle: between requests, or "
-    "mid-request (with --dp, the replicas'; vllm-router has no such limit)",
+    "timeout_keep_alive": "seconds an HTTP connection may stay idle: between requests, "
+    "mid-request, or with its response unread (with --dp, the replicas'; vllm-router has no "
+    "such limit)",
     "log_level": "logging level",
     "tool_call_parser": "read tool calls out of chat replies in this model family's format, for "
     "tool_choice auto (required and named choices need none: a grammar holds the reply to the "

@@ -294,6 +294,32 @@ def test_a_stream_whose_client_stops_reading_is_aborted_at_its_timeout(start_ser
     assert_clean(server, before)
 
 
+def test_a_stream_whose_client_stops_reading_is_cut_off_after_the_idle_timeout(
+    start_server,
+) -> None:
+    """No --request-timeout: the connection was held for as long as the client kept it, and
+    the 16 choices ran on to their max_tokens (19,434 KV pages at 1,900 for a client reading
+    nothing). A client that takes none of its response for --timeout-keep-alive is cut off."""
+    idle_s = 2
+    server = start_server("--timeout-keep-alive", str(idle_s), "--max-kv-tokens", "65536")
+    before = server.metrics()
+    body = {
+        "model": MODEL, "prompt": "Once upon a time " * 150, "n": 16, "max_tokens": 1400,
+        "ignore_eos": True, "stream": True, "echo": True, "logprobs": 5,
+    }  # fmt: skip
+    stalled = RawRequest(server, COMPLETIONS, body, receive_buffer=2048)
+    ended = [finished(reason) for reason in ("abort", "length")]
+    try:  # read nothing until the requests end
+        after = wait_for_metrics(
+            server, lambda m: sum(delta(before, m, e) for e in ended) == 16, 60
+        )
+        assert delta(before, after, finished("abort")) == 16
+        assert stalled.closed_by_server(timeout=5)  # after what the kernel still held for it
+    finally:
+        stalled.sock.close()
+    assert_clean(server, before)
+
+
 # ------------------------------------------------------------------------ SIGTERM under load
 SHUTDOWN_TIMEOUT_S = 10
 
