@@ -269,6 +269,16 @@ def test_request_past_its_timeout_is_a_400_that_nothing_retries_and_frees_its_pa
     server.stop()
 
 
+def _unread_stream(server: ServerProcess) -> RawRequest:
+    """A stream of 16 choices of 1,400 tokens whose first write is megabytes (echoed prompt
+    logprobs), to a client that reads none of it."""
+    body = {
+        "model": MODEL, "prompt": "Once upon a time " * 150, "n": 16, "max_tokens": 1400,
+        "ignore_eos": True, "stream": True, "echo": True, "logprobs": 5,
+    }  # fmt: skip
+    return RawRequest(server, COMPLETIONS, body, receive_buffer=2048)
+
+
 def test_a_stream_whose_client_stops_reading_is_aborted_at_its_timeout(start_server) -> None:
     """The deadline was checked only between events: a client that kept its socket open and read
     nothing held the stream's first write (echoed prompt logprobs, megabytes), and its 16 choices
@@ -276,11 +286,7 @@ def test_a_stream_whose_client_stops_reading_is_aborted_at_its_timeout(start_ser
     timeout_s = 5
     server = start_server("--request-timeout", str(timeout_s), "--max-kv-tokens", "32768")
     before = server.metrics()
-    body = {
-        "model": MODEL, "prompt": "Once upon a time " * 150, "n": 16, "max_tokens": 1400,
-        "ignore_eos": True, "stream": True, "echo": True, "logprobs": 5,
-    }  # fmt: skip
-    stalled = RawRequest(server, COMPLETIONS, body, receive_buffer=2048)
+    stalled = _unread_stream(server)
     start = time.monotonic()
     try:
         # every choice began (its first event is being written) before the limit
@@ -303,11 +309,7 @@ def test_a_stream_whose_client_stops_reading_is_cut_off_after_the_idle_timeout(
     idle_s = 2
     server = start_server("--timeout-keep-alive", str(idle_s), "--max-kv-tokens", "65536")
     before = server.metrics()
-    body = {
-        "model": MODEL, "prompt": "Once upon a time " * 150, "n": 16, "max_tokens": 1400,
-        "ignore_eos": True, "stream": True, "echo": True, "logprobs": 5,
-    }  # fmt: skip
-    stalled = RawRequest(server, COMPLETIONS, body, receive_buffer=2048)
+    stalled = _unread_stream(server)
     ended = [finished(reason) for reason in ("abort", "length")]
     try:  # read nothing until the requests end
         after = wait_for_metrics(
