@@ -514,18 +514,19 @@ class _IdleTimeoutProtocol(HttpToolsProtocol):
                 raise _HeadersTooLarge
 
     def send_400_response(self, msg: str) -> None:
-        if self._header_bytes <= self._max_header_bytes:
-            super().send_400_response(msg)
-            return
+        """uvicorn's answer to what httptools cannot parse (past max_header_bytes: a 431), in
+        OpenAI's error shape: it was plain text."""
         self._in_headers = self._in_body = False
-        error = ApiError(
-            431, f"the request line, headers and trailers are over {self._max_header_bytes} bytes"
-        )
+        if self._header_bytes > self._max_header_bytes:
+            status = b"431 Request Header Fields Too Large"
+            why = f"the request line, headers and trailers are over {self._max_header_bytes} bytes"
+            error = ApiError(431, why)
+        else:
+            status, error = b"400 Bad Request", ApiError(400, msg)
         body = json.dumps(error.body()).encode()
         self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-            b"content-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (status, len(body), body)
         )
         self.transport.close()
 
@@ -573,15 +574,25 @@ def run_api_server(args: ServerArgs, addresses: Addresses) -> None:
         timeout_keep_alive=args.timeout_keep_alive,
         timeout_graceful_shutdown=1,
     )
-    logging.getLogger("uvicorn.access").addFilter(_NoHealthLines())  # after uvicorn's own set-up
+    logging.getLogger("uvicorn.access").addFilter(_AccessLines())  # after uvicorn's own set-up
     server = uvicorn.Server(config)
     server.run()
 
 
-class _NoHealthLines(logging.Filter):
+class _AccessLines(logging.Filter):
     """The launcher polls /health until the engine is ready, and routers probe it all day: no
-    access-log line for those."""
+    access-log line for those. A long path is cut short: a client without the key wrote 60 KB
+    a line (its URL) into the log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
-        return not (isinstance(args, tuple) and len(args) > 2 and args[2] == "/health")
+        if not (isinstance(args, tuple) and len(args) > 2 and isinstance(args[2], str)):
+            return True
+        if args[2] == "/health":
+            return False
+        if len(args[2]) > _LOGGED_PATH_CHARS:
+            record.args = (*args[:2], args[2][:_LOGGED_PATH_CHARS] + "...", *args[3:])
+        return True
+
+
+_LOGGED_PATH_CHARS = 256

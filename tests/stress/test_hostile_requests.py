@@ -491,8 +491,19 @@ MALFORMED = {
             },
             "logit_bias",
         ),
+        # every unknown name was listed: a 4.4 MB body gave a 3.5 MB error
+        (
+            COMPLETIONS,
+            {"model": MODEL, "prompt": "hi", **dict.fromkeys(map(str, range(300_000)), 1)},
+            "0",
+        ),
+        (
+            COMPLETIONS,
+            {"model": MODEL, "prompt": "hi", **{f"{i}{'y' * 10_000}": 1 for i in range(100)}},
+            "0" + "y" * 63 + "...",
+        ),
     ],
-    ids=["messages", "prompt ids", "stop", "logit_bias"],
+    ids=["messages", "prompt ids", "stop", "logit_bias", "unknown fields", "long unknown fields"],
 )
 def test_a_million_bad_items_are_one_short_400(
     server: ServerProcess, route: str, body: dict, param: str
@@ -708,6 +719,35 @@ def _assert_431(answer: bytes) -> None:
     status, _, body = answer.partition(b"\r\n\r\n")
     assert status.startswith(b"HTTP/1.1 431"), answer[:300]
     check_error_body(json.loads(body), repr(answer[:300]))
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS ClientHello's start
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        b"Content-Length: 3\r\n\r\n{}",
+    ],
+    ids=["garbage", "TLS", "two lengths"],
+)
+def test_what_http_cannot_parse_is_a_400_in_openai_shape(
+    server: ServerProcess, sent: bytes
+) -> None:
+    """It was plain text ("Invalid HTTP request received.")."""
+    status, _, body = _raw_answer(server, sent).partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 400"), status
+    check_error_body(json.loads(body), repr(body))
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_long_url_writes_a_short_access_log_line(server: ServerProcess) -> None:
+    """50 requests of a 60 KB URL without the key grew the log by 3.0 MB."""
+    log_size = server.log_path.stat().st_size
+    for _ in range(50):
+        assert httpx.get(f"{server.url}/v1/models?{'q' * 60_000}", timeout=10).status_code == 401
+    time.sleep(0.5)  # the last lines
+    assert server.log_path.stat().st_size - log_size < 50 * 512
 
 
 FILLER = "x" * (70 << 10)
