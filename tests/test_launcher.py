@@ -229,6 +229,16 @@ def test_the_url_the_launcher_prints_and_polls_brackets_ipv6_hosts(host: str, ur
     assert _base_url(parse_args(["--host", host, "--port", "8000"])) == url
 
 
+def test_a_chat_template_file_is_read_whatever_its_path_holds(tmp_path: Path) -> None:
+    """A path with `{` was taken for the template's text, and every chat prompt was the path."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t{1}" / "tmpl.jinja"
+    path.parent.mkdir()
+    path.write_text(template)
+    assert parse_args(["--chat-template", str(path)]).chat_template == template
+    assert parse_args(["--chat-template", template]).chat_template == template
+
+
 def test_the_api_key_comes_from_the_environment_too() -> None:
     environ = {"MINISGL_API_KEY": "from-env"}
     assert parse_args([], environ).api_key == "from-env"

@@ -218,14 +218,16 @@ def parse_args(
         )
     path = resolve_model_path(model)
     chat_template = ns["chat_template"]
-    # as vLLM reads it: text with none of Jinja's characters names a file, which must open
-    if chat_template is not None and not any(c in chat_template for c in "{}\n"):
+    # as vLLM reads it: a file where one opens (its path may hold `{`), else the template's
+    # text; text with none of Jinja's characters names a file, which must open
+    if chat_template is not None:
         try:
             chat_template = Path(chat_template).read_text()
-        except OSError as e:
-            raise ValueError(
-                f"--chat-template {chat_template!r} is no readable file: {e}"
-            ) from None
+        except (OSError, ValueError) as e:  # ValueError: a NUL in the text
+            if not any(c in chat_template for c in "{}\n"):
+                raise ValueError(
+                    f"--chat-template {chat_template!r} is no readable file: {e}"
+                ) from None
     origins = {}
     if ns["allowed_origins"] is not None:
         origins["allowed_origins"] = _origins(ns["allowed_origins"])
