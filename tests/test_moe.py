@@ -167,8 +167,18 @@ EXPERT = "model.layers.2.mlp.experts.{}.up_proj.weight"
             lambda t: t.update({EXPERT.format(8): torch.zeros(32, 64)}),
             rf"unexpected tensor '{EXPERT.format(8)}'",
         ),
+        # both were read, the fused ones last: a layer of zeros, no error
+        (
+            lambda t: t.update({"model.layers.2.mlp.experts.down_proj": torch.zeros(8, 64, 32)}),
+            r"'model\.layers\.2\.mlp\.experts\.down_proj' is stored both whole and in parts",
+        ),
+        # read as expert 5 too, and taken if read last
+        (
+            lambda t: t.update({EXPERT.format("05"): torch.zeros(32, 64)}),
+            rf"unexpected tensor '{EXPERT.format('05')}'",
+        ),
     ],
-    ids=["missing", "past-the-last"],
+    ids=["missing", "past-the-last", "fused-and-per-expert", "index-written-twice"],
 )
 def test_a_missing_or_extra_expert_tensor_is_named(moe_path, tmp_path, edit, message) -> None:
     dst = corrupt_copy(moe_path, tmp_path / "bad", edit)

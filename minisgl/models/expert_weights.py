@@ -18,7 +18,8 @@ from minisgl.distributed import TPInfo
 
 from .config import ModelConfig
 
-_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# an expert's number written one way only (`05` beside `5` was read as expert 5 twice)
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(0|[1-9]\d*)\.(gate_proj|up_proj|down_proj)\.weight")
 # per-expert projection -> (stacked tensor, position inside an expert's slice of it)
 _STACKED = {
     "gate_proj": ("gate_up_proj", 0),

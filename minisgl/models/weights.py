@@ -107,6 +107,8 @@ def _target(
         return expert[0], expert_shape(expert[1], expert[2], config)
     if module == "experts":
         return name, fused_shape(kind, config)
+    if ".experts." in name:  # no expert's weight (a bias, `05`): not the dense MLP's either
+        return name, None
     if module in _MERGED:
         name = name.replace(f".{module}.", f".{_MERGED[module][0]}.")
     return name, _checkpoint_shape(module, kind, config)
@@ -209,6 +211,13 @@ def scan_checkpoint(
                 )
             sources[file].append(_Source(name, target, full_shape, expert))
             covered.setdefault(target, set()).add(name)
+    for target, found in covered.items():
+        if target in found and len(found) > 1:  # read both, the last would have been taken
+            parts = sorted(found - {target})
+            raise ConfigError(
+                f"tensor {target!r} is stored both whole and in parts ({parts[0]!r} and "
+                f"{len(parts) - 1} more): which the model should take is not known"
+            )
     if names is not None:
         per_expert_files = any(s.expert is not None for file in sources.values() for s in file)
         missing = [
