@@ -214,9 +214,10 @@ def scan_checkpoint(
     for target, found in covered.items():
         if target in found and len(found) > 1:  # read both, the last would have been taken
             parts = sorted(found - {target})
+            more = f" and {len(parts) - 1} more" if len(parts) > 1 else ""
             raise ConfigError(
-                f"tensor {target!r} is stored both whole and in parts ({parts[0]!r} and "
-                f"{len(parts) - 1} more): which the model should take is not known"
+                f"tensor {target!r} is stored both whole and in parts ({parts[0]!r}{more}): "
+                "which the model should take is not known"
             )
     if names is not None:
         per_expert_files = any(s.expert is not None for file in sources.values() for s in file)
