@@ -215,7 +215,15 @@ DEEP = {"type": "array", "items": nested_schema(300)}  # past orjson's 254 level
         {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": DEEP}}},
         {
             "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": DEEP}},
+                    },
+                }
+            ],
             "tool_choice": "required",
         },
     ],
