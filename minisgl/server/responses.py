@@ -238,15 +238,15 @@ class ChatFormat(ReplyFormat):
             message = self._message(reasoning, content, calls, parser, delta)
             if delta and not message and not first and not piece.logprobs and not piece.end:
                 return None  # all held back: nothing to send yet
-            # calls cut short by a stop string were returned as finished ones
-            cut = parser.tools is not None and parser.tools.reply.cut
+            tools = parser.tools
+            # not for calls a stop string cut short: they were returned as finished ones
             if (
-                parser.tools is not None
+                tools is not None
                 and parser.num_calls
-                and not cut
+                and not tools.reply.cut
                 and finish_reason == "stop"
             ):
-                finish_reason = parser.tools.calls_finish_reason
+                finish_reason = tools.calls_finish_reason
         if delta:
             out["delta"] = {"role": "assistant", **message} if first else message
             if first and not message:
