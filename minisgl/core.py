@@ -122,10 +122,11 @@ class StructuredOutput:
 
 
 class InvalidSamplingParam(ValueError):
-    """A SamplingParams field's value breaks its rule; the message starts with the field's name."""
+    """A SamplingParams field's value breaks its rule: the message is the field's name and the
+    requirement, or `message` where other words say it better."""
 
-    def __init__(self, name: str, requirement: str) -> None:
-        super().__init__(f"{name} {requirement}")
+    def __init__(self, name: str, requirement: str, message: str | None = None) -> None:
+        super().__init__(message or f"{name} {requirement}")
         self.name, self.requirement = name, requirement
 
 
@@ -337,13 +338,14 @@ def check_prompt(
     prompt_ids: Sequence[int], max_seq_len: int, vocab_size: int, params: SamplingParams
 ) -> None:
     """Raise ValueError unless the request can be served: a non-empty prompt of known token ids,
-    room in the context for at least one generated token, or for max_tokens of them when it is
-    given, and a logit_bias on known tokens."""
+    room in the context for at least one generated token, for min_tokens of them, and for
+    max_tokens when it is given, and a logit_bias on known tokens. A field at fault is named
+    (InvalidSamplingParam)."""
     max_tokens = params.max_tokens
     bad_bias = next((t for t, _ in params.logit_bias if t >= vocab_size), None)  # type: ignore[union-attr]
     if bad_bias is not None:
-        raise ValueError(
-            f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab_size})"
+        raise InvalidSamplingParam(
+            "logit_bias", f"token id {bad_bias} is outside the vocabulary [0, {vocab_size})"
         )
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty")
@@ -353,13 +355,29 @@ def check_prompt(
             f"{len(prompt_ids)}, leaving no room for a generated token"
         )
     if max_tokens is not None and len(prompt_ids) + max_tokens > max_seq_len:
-        raise ValueError(  # vLLM's words
+        raise InvalidSamplingParam(
+            "max_tokens",
+            f"must be at most {max_seq_len - len(prompt_ids)} for this prompt",
+            # vLLM's words
             f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
             f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, "
             f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion."
+            "completion.",
         )
+    check_min_tokens_room(len(prompt_ids), max_seq_len, params)
     check_token_ids(prompt_ids, vocab_size)
+
+
+def check_min_tokens_room(prompt_len: int, max_seq_len: int, params: SamplingParams) -> None:
+    """Raise InvalidSamplingParam where min_tokens do not fit in the context after the prompt
+    (a prompt that leaves no room is check_prompt's refusal)."""
+    room = max_seq_len - prompt_len
+    if 0 < room < params.min_tokens:
+        raise InvalidSamplingParam(
+            "min_tokens",
+            f"must be at most the {room} tokens that the prompt leaves in this model's context "
+            f"of {max_seq_len}",
+        )
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:

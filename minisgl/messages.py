@@ -26,7 +26,13 @@ from typing import Any
 import msgpack
 import zmq
 
-from minisgl.core import FinishReason, PromptOptions, SamplingParams, StructuredOutput
+from minisgl.core import (
+    FinishReason,
+    InvalidSamplingParam,
+    PromptOptions,
+    SamplingParams,
+    StructuredOutput,
+)
 
 _WIRE_TYPES: dict[str, type] = {}
 
@@ -171,6 +177,13 @@ class ReqError:
     rid: int
     message: str
     queued: bool = False  # False: refused before it was queued, so never counted as served
+    param: str | None = None  # the SamplingParams field at fault, where one is
+
+    @classmethod
+    def refusing(cls, rid: int, error: Exception) -> ReqError:
+        """Request rid refused for `error`, naming its field where a sampling field is at fault."""
+        param = error.name if isinstance(error, InvalidSamplingParam) else None
+        return cls(rid, str(error), param=param)
 
 
 @_wire

@@ -60,6 +60,19 @@ def test_bad_prompt_raises_and_engine_keeps_serving(
     assert llm.scheduler.kv.used_pages == len(llm.scheduler.kv.prefix_cache.cached_pages())
 
 
+def test_min_tokens_past_the_room_left_raises(llm: LLM, expected: list[int]) -> None:
+    """With max_tokens None (the rest of the context), a min_tokens the context cannot hold is
+    refused, as the server refuses it; it ran to the context's end before, short of it."""
+    too_many = SamplingParams(temperature=0, max_tokens=None, min_tokens=252)
+    with pytest.raises(ValueError, match="min_tokens must be at most the 251 tokens"):
+        llm.generate([GOOD], too_many, use_tqdm=False)
+    fits = SamplingParams(temperature=0, max_tokens=None, min_tokens=251)
+    assert len(llm.generate([GOOD], fits, use_tqdm=False)[0]["token_ids"]) == 251
+    assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+    llm.scheduler.check_integrity()
+    assert llm.scheduler.kv.used_pages == len(llm.scheduler.kv.prefix_cache.cached_pages())
+
+
 @pytest.mark.parametrize(
     ("params", "match"),
     [

@@ -228,6 +228,30 @@ def test_a_refused_tool_or_output_constraint_names_its_field(
     assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("fields", "param", "named"),
+    [
+        # the rule names max_tokens, which this request did not send
+        ({"max_completion_tokens": 3, "min_tokens": 5}, "min_tokens", "max_completion_tokens (3)"),
+        # a bad max_tokens beside max_completion_tokens was not read (200)
+        ({"max_tokens": -5, "max_completion_tokens": 3}, "max_tokens", "differ"),
+        # checked by the tokenizer process, whose refusals had no param
+        ({"logit_bias": {"200000": 1}}, "logit_bias", "outside the vocabulary"),
+        ({"max_completion_tokens": 3000}, "max_completion_tokens", "maximum context length"),
+    ],
+)
+def test_a_refused_sampling_field_is_named_as_the_request_names_it(
+    server: ServerProcess, fields: dict, param: str, named: str
+) -> None:
+    response = server.post("/v1/chat/completions", json={"messages": MESSAGES, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and named in error["message"], error
+    assert "max_tokens (" not in error["message"]
+    same = {"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 2, "ignore_eos": True}
+    assert server.post("/v1/chat/completions", json=same).json()["usage"]["completion_tokens"] == 2
+
+
 def test_tools_with_tool_choice_auto_need_a_tool_call_parser(server: ServerProcess) -> None:
     """As vLLM: auto needs --tool-call-parser; none needs no parser."""
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -86,7 +86,7 @@ class SchedulerWorker:
                 try:
                     self.scheduler.add_requests(requests, owners)
                 except ValueError as e:
-                    errors += [ReqError(rid, str(e)) for rid, _, _ in requests]
+                    errors += [ReqError.refusing(rid, e) for rid, _, _ in requests]
             elif isinstance(msg, FlushPrefixCache):
                 self.scheduler.flush_prefix_cache()
             elif isinstance(msg, EndRequests):

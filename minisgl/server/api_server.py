@@ -273,7 +273,8 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         return await generate(
             request, client, CompletionFormat(), args.served_model_name, tokenize,
             want_logprobs=body.logprobs is not None, stream=body.stream,
-            include_usage=body.include_usage, timeout=args.request_timeout, echo=echo,
+            include_usage=body.include_usage, timeout=args.request_timeout,
+            request_field=body.request_field, echo=echo,
         )  # fmt: skip
 
     async def prompt_text(request: Request, ids: list[int]) -> str:
@@ -299,6 +300,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         return await generate(
             request, client, fmt, args.served_model_name, tokenize, want_logprobs=body.logprobs,
             stream=body.stream, include_usage=body.include_usage, timeout=args.request_timeout,
+            request_field=body.request_field,
         )  # fmt: skip
 
     # every call the openai client makes to it (create, retrieve, delete, cancel...), not a 405

@@ -7,7 +7,7 @@ aborted), when it runs past --request-timeout, or when the server shuts down."""
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,18 +37,23 @@ async def generate(
     stream: bool,
     include_usage: bool,
     timeout: float | None,
+    request_field: Callable[[str], str],
     echo: list[str] | None = None,
 ) -> Response:
     """Run `tokenize`'s requests (its choices consecutive per prompt) and answer with one response.
     Its first items come before anything is answered: a request the engine refused (they are
     admitted all or none) still gets its 400. echo: a text each choice's starts with (sent with
-    its first token, and its prompt's logprobs where they were asked). The reply's
+    its first token, and its prompt's logprobs where they were asked). request_field: the
+    request's name for a sampling field, which a refusal names. The reply's
     id is the client's X-Request-Id where it sends one, as vLLM's, and the header comes back."""
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
     group = client.submit(tokenize)
     reply_id = f"{fmt.id_prefix}-{request_id}"
-    run = _Run(client, group, fmt, model, reply_id, tokenize.params, want_logprobs, timeout, echo)
+    run = _Run(
+        client, group, fmt, model, reply_id, tokenize.params, want_logprobs, timeout,
+        request_field, echo,
+    )  # fmt: skip
     streaming = False
     try:
         first = await until_disconnected(request, run.next_items())
@@ -86,9 +91,11 @@ class _Run:
         params: list[SamplingParams],
         want_logprobs: bool,
         timeout: float | None,
+        request_field: Callable[[str], str],
         echo: list[str] | None,
     ) -> None:
         self.client, self.group, self.fmt = client, group, fmt
+        self._request_field = request_field
         self._echo = echo  # by choice: the text it starts with
         self._echo_top = params[0].logprobs or 0
         self.model, self.n, self.want_logprobs = model, len(params), want_logprobs
@@ -126,7 +133,8 @@ class _Run:
             ) from None  # fmt: skip
         for _, item in batch:
             if isinstance(item, ReqError):
-                raise ApiError(400, item.message)
+                param = None if item.param is None else self._request_field(item.param)
+                raise ApiError(400, item.message, param=param)
             if isinstance(item, Interrupted):
                 raise ApiError(503, item.message)
         return batch

@@ -12,6 +12,7 @@ Chat's tools go to the chat template; a `required` or named tool_choice becomes 
 output, the JSON schema of its calls, as in vLLM (responses.py reads the calls out of the reply).
 """
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import cache
@@ -201,6 +202,8 @@ def _structured_output(kind: str, value: Any, field: str) -> StructuredOutput:
 
 
 # the request fields that are SamplingParams' fields of the same name and meaning
+# the SamplingParams fields a request may call otherwise (request_field), as whole words
+_FIELD_NAME = re.compile(r"\b(max_tokens|logprobs)\b")
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
@@ -317,10 +320,12 @@ class _GenerateRequest(_Body):
         try:
             return SamplingParams(**values)
         except InvalidSamplingParam as e:
-            name = self._request_field(e.name)
-            raise ApiError(400, f"{name} {e.requirement}", param=name) from None
+            name = self.request_field(e.name)
+            # a requirement may name another field (min_tokens: "at most max_tokens")
+            requirement = _FIELD_NAME.sub(lambda m: self.request_field(m[0]), e.requirement)
+            raise ApiError(400, f"{name} {requirement}", param=name) from None
 
-    def _request_field(self, name: str) -> str:
+    def request_field(self, name: str) -> str:
         """The request's name for a SamplingParams field."""
         return name
 
@@ -612,6 +617,11 @@ class ChatCompletionRequest(_GenerateRequest, _Rendering):
         constrains the reply to its calls' JSON."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(400, "max_tokens and max_completion_tokens differ: give "
+                           "max_completion_tokens alone (max_tokens is deprecated)",
+                           param="max_tokens")  # fmt: skip
         given = (
             self.max_completion_tokens
             if self.max_completion_tokens is not None
@@ -631,7 +641,7 @@ class ChatCompletionRequest(_GenerateRequest, _Rendering):
         structured = _structured_output("json_schema", schema, "tools")
         return replace(params, structured=structured)
 
-    def _request_field(self, name: str) -> str:
+    def request_field(self, name: str) -> str:
         if name == "logprobs":
             return "top_logprobs"
         if name == "max_tokens" and self.max_completion_tokens is not None:

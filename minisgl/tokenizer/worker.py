@@ -24,7 +24,7 @@ from pathlib import Path
 
 import zmq
 
-from minisgl.core import SamplingParams, check_prompt, check_token_ids
+from minisgl.core import SamplingParams, check_min_tokens_room, check_prompt, check_token_ids
 from minisgl.messages import (
     AbortRequest,
     AddRequests,
@@ -93,7 +93,7 @@ class Tokenize:
                 # rejected here, before queuing, by the scheduler's own rule
                 check_prompt(ids, self.limits.max_seq_len, self.limits.vocab_size, prompt_params[0])
         except Exception as e:  # a template or a prompt that fails in any way fails this request
-            return TextOutputs(errors=[ReqError(rid, str(e)) for rid in request.rids])
+            return TextOutputs(errors=[ReqError.refusing(rid, e) for rid in request.rids])
         rids = [request.rids[i * choices : (i + 1) * choices] for i in range(len(prompts))]
         for ids, prompt_rids, prompt_params in zip(prompts, rids, params, strict=True):
             for rid, choice in zip(prompt_rids, prompt_params, strict=True):
@@ -122,12 +122,9 @@ class Tokenize:
         assert self.limits is not None
         if not request.default_max_tokens:
             return request.params
+        for params in request.params:
+            check_min_tokens_room(len(ids), self.limits.max_seq_len, params)
         room = max(1, self.limits.max_seq_len - len(ids))
-        if any(p.min_tokens > room for p in request.params):
-            raise ValueError(
-                f"the prompt leaves room for {room} tokens in this model's context of "
-                f"{self.limits.max_seq_len}, fewer than min_tokens"
-            )
         return [
             p if p.max_tokens is None or p.max_tokens <= room else replace(p, max_tokens=room)
             for p in request.params
