@@ -92,10 +92,9 @@ class LLM:
         self._rids = itertools.count()
 
     def _step(self, messages: list[Message]) -> StepOutputs:
-        """One turn of every rank. Under TP a Ctrl-C takes effect at its end: cut short, rank 0
-        would leave the others in a collective it never joins."""
-        if self.engine.config.tp_size == 1:
-            return self._worker.step(messages)
+        """One turn of every rank. A Ctrl-C takes effect at its end (on one rank, inside the
+        model's forward too): cut short, the scheduler's bookkeeping would be left half done,
+        and under TP rank 0 would leave the others in a collective it never joins."""
         with deferred_interrupts():
             return self._worker.step(messages)
 

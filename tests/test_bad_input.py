@@ -2,14 +2,17 @@
 
 import json
 import signal
+import sys
 import threading
 import time
+from types import FrameType
 
 import numpy as np
 import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.core import MAX_SCHEMA_DEPTH, StructuredOutput
+from minisgl.kvcache.manager import KVCacheManager
 
 from .conftest import DEVICE
 
@@ -217,6 +220,33 @@ def test_an_interrupted_generate_aborts_its_requests_and_forgets_their_pages(
     assert not llm.scheduler.has_work
     llm.scheduler.check_integrity()
     assert llm.scheduler.kv.used_pages == 0
+    assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+
+
+def test_a_ctrl_c_inside_the_schedulers_bookkeeping_takes_effect_at_the_turns_end(
+    llm: LLM, expected: list[int]
+) -> None:
+    """A Ctrl-C that came while a slot was being admitted (its cached prefix taken, its pages
+    not yet assigned) left the KV manager half done on one rank: every later generate failed
+    an assert. The SIGINT is raised as the admission assigns the slot's pages."""
+    assign = KVCacheManager._assign.__code__
+    raised = threading.Event()
+
+    def interrupt_in_assign(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code is assign and not raised.is_set():
+            raised.set()
+            signal.raise_signal(signal.SIGINT)
+
+    sys.setprofile(interrupt_in_assign)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([GOOD * 2], GREEDY, use_tqdm=False)
+    finally:
+        sys.setprofile(None)
+    assert raised.is_set()
+    assert not llm.scheduler.has_work
+    llm.scheduler.kv.check_idle_counts()
+    llm.scheduler.check_integrity()
     assert llm.generate([GOOD], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
 
 

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, wait
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -33,7 +34,7 @@ from minisgl.engine.sampler import SampleOutput
 from minisgl.kvcache.manager import KVCacheManager
 from minisgl.messages import EndRequests, Finished, ReqError, StepOutputs, TokenLogprobs
 from minisgl.utils import init_logger
-from minisgl.utils.interrupts import interrupt_pending
+from minisgl.utils.interrupts import interrupt_pending, interruptible
 
 from .batch_builder import build_batch
 from .grammar import Grammars
@@ -190,7 +191,9 @@ class Scheduler:
         launched = None
         if batch is not None:
             self.stats.steps += 1
-            launched = _InFlight(batch, self.engine.forward(batch))
+            # on one rank a Ctrl-C may cut the forward: the abort that follows undoes it
+            with interruptible() if self.engine.config.tp_size == 1 else nullcontext():
+                launched = _InFlight(batch, self.engine.forward(batch))
         self._end_failed_matchers()  # a mask of the launched step: its token is not taken
         if not self.config.overlap:
             out = self._process(launched) if launched else out

@@ -1,7 +1,9 @@
-"""Ctrl-C at the end of a turn, not inside one. Under TP the offline LLM is rank 0: a
-KeyboardInterrupt that cut its turn short (inside a collective, or between two) would leave the
-other ranks in a collective it never joins, and its next turn's broadcast would meet their
-all-reduce: every rank waits for good."""
+"""Ctrl-C at the end of a turn, not inside one. A KeyboardInterrupt inside the scheduler's
+bookkeeping would leave it half done (a slot given its prefix but no pages: every later generate
+failed). Under TP the offline LLM is rank 0, and one that cut its turn short (inside a
+collective, or between two) would leave the other ranks in a collective it never joins, and its
+next turn's broadcast would meet their all-reduce: every rank waits for good. On one rank the
+model's forward, the long part of a turn, may still be cut (`interruptible`)."""
 
 import contextlib
 import signal
@@ -9,6 +11,11 @@ import threading
 from collections.abc import Iterator
 
 _pending = threading.Event()
+_holding = threading.Event()  # deferred_interrupts is holding SIGINT
+
+
+def _hold(signum: int, frame: object) -> None:
+    _pending.set()
 
 
 @contextlib.contextmanager
@@ -22,13 +29,33 @@ def deferred_interrupts() -> Iterator[None]:
         yield
         return
     _pending.clear()
-    signal.signal(signal.SIGINT, lambda signum, frame: _pending.set())
+    signal.signal(signal.SIGINT, _hold)
+    _holding.set()
     try:
         yield
     finally:
+        _holding.clear()
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if _pending.is_set():
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Inside deferred_interrupts: SIGINT raises at once in this block, and one held from before
+    raises as it starts; for work that leaves nothing half done where it is cut. Elsewhere:
+    nothing changes."""
+    if not _holding.is_set() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if _pending.is_set():
+        _pending.clear()
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, _hold)
 
 
 def interrupt_pending() -> bool:
