@@ -124,30 +124,39 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("max_tokens", [1, 0])
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
-    server: ServerProcess, reference, stream: bool
+    server: ServerProcess, reference, stream: bool, max_tokens: int
 ) -> None:
     """lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1;
-    the logprobs cover the prompt's tokens (the first with none), then the one generated."""
+    the logprobs cover the prompt's tokens (the first with none), then the one generated. With
+    max_tokens 0 (its older form, and vLLM's and OpenAI's) the prompt alone (it was a 400)."""
     prompt, want = reference
-    body = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 1,
-            "temperature": 0, "stream": stream}  # fmt: skip
+    body = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 1,
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}  # fmt: skip
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     if stream:
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: {")]
-        choices = [httpx.Response(200, content=e).json()["choices"] for e in events]
-        pieces = [c[0] for c in choices if c]
+        replies = [httpx.Response(200, content=e).json() for e in events]
+        pieces = [r["choices"][0] for r in replies if r["choices"]]
         text = "".join(p["text"] for p in pieces)
         token_logprobs = [lp for p in pieces for lp in p["logprobs"]["token_logprobs"]]
         top_logprobs = [t for p in pieces for t in p["logprobs"]["top_logprobs"]]
+        finish_reason, usage = pieces[-1]["finish_reason"], replies[-1]["usage"]
     else:
         choice = response.json()["choices"][0]
         text = choice["text"]
         token_logprobs = choice["logprobs"]["token_logprobs"]
         top_logprobs = choice["logprobs"]["top_logprobs"]
+        finish_reason, usage = choice["finish_reason"], response.json()["usage"]
     assert TEXT in text  # after "<s> ": an echoed id prompt shows its special tokens, as vLLM
-    assert len(token_logprobs) == len(prompt) + 1
+    assert len(token_logprobs) == len(prompt) + max_tokens
+    assert usage["completion_tokens"] == max_tokens and finish_reason == "length"
+    if max_tokens == 0:
+        detokenized = httpx.post(server.url + "/detokenize", json={"tokens": prompt}).json()
+        assert text == detokenized["prompt"]
     assert token_logprobs[0] is None and top_logprobs[0] is None
     for p in range(len(prompt) - 1):
         assert token_logprobs[p + 1] == pytest.approx(want[p, prompt[p + 1]].item(), abs=1e-4)
@@ -254,7 +263,8 @@ def test_echo_gives_logprobs_many_likeliest_tokens_whatever_prompt_logprobs_asks
 def test_a_default_max_tokens_without_room_for_min_tokens_says_so(server: ServerProcess) -> None:
     body = {"model": "m", "prompt": [5] * 2040, "min_tokens": 12}
     refused = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-    assert refused.status_code == 400 and "leaves room for 8 tokens" in refused.text
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
+    assert "at most the 8 tokens that the prompt leaves" in refused.text
 
 
 # longer than a step's prompt logprobs (PROMPT_LOGPROBS_CHUNK): a prompt's first choice gets its
