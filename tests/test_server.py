@@ -248,6 +248,11 @@ BAD_BODIES = {
     "bad value: penalty": {"presence_penalty": 2.5},
     "bad value: repetition_penalty": {"repetition_penalty": 0},
     "bad value: min_tokens above max_tokens": {"min_tokens": 20, "max_tokens": 10},
+    "bad value: min_tokens with echo and max_tokens 0": {
+        "echo": True,
+        "max_tokens": 0,
+        "min_tokens": 1,
+    },
     "bad value: logit_bias key": {"logit_bias": {"dog": 1}},
     "bad value: logit_bias key with a space": {"logit_bias": {" 5": 1}},
     "bad value: logit_bias key with an underscore": {"logit_bias": {"5_0": 1}},

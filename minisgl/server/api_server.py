@@ -274,7 +274,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
             request, client, CompletionFormat(), args.served_model_name, tokenize,
             want_logprobs=body.logprobs is not None, stream=body.stream,
             include_usage=body.include_usage, timeout=args.request_timeout,
-            request_field=body.request_field, echo=echo,
+            request_field=body.request_field, echo=echo, prompt_only=body.echo_only,
         )  # fmt: skip
 
     async def prompt_text(request: Request, ids: list[int]) -> str:

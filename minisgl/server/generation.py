@@ -39,12 +39,14 @@ async def generate(
     timeout: float | None,
     request_field: Callable[[str], str],
     echo: list[str] | None = None,
+    prompt_only: bool = False,
 ) -> Response:
     """Run `tokenize`'s requests (its choices consecutive per prompt) and answer with one response.
     Its first items come before anything is answered: a request the engine refused (they are
     admitted all or none) still gets its 400. echo: a text each choice's starts with (sent with
-    its first token, and its prompt's logprobs where they were asked). request_field: the
-    request's name for a sampling field, which a refusal names. The reply's
+    its first token, and its prompt's logprobs where they were asked); prompt_only: the echo
+    alone, each choice ending at its length with no token (its one token left out).
+    request_field: the request's name for a sampling field, which a refusal names. The reply's
     id is the client's X-Request-Id where it sends one, as vLLM's, and the header comes back."""
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
@@ -52,7 +54,7 @@ async def generate(
     reply_id = f"{fmt.id_prefix}-{request_id}"
     run = _Run(
         client, group, fmt, model, reply_id, tokenize.params, want_logprobs, timeout,
-        request_field, echo,
+        request_field, echo, prompt_only,
     )  # fmt: skip
     streaming = False
     try:
@@ -93,9 +95,11 @@ class _Run:
         timeout: float | None,
         request_field: Callable[[str], str],
         echo: list[str] | None,
+        prompt_only: bool,
     ) -> None:
         self.client, self.group, self.fmt = client, group, fmt
         self._request_field = request_field
+        self._prompt_only = prompt_only
         self._echo = echo  # by choice: the text it starts with
         self._echo_top = params[0].logprobs or 0
         self.model, self.n, self.want_logprobs = model, len(params), want_logprobs
@@ -185,11 +189,14 @@ class _Run:
                 for c in (choice, piece):
                     c.add(self._echo[index], prompt.echoed)
         if isinstance(item, Delta):
-            logprobs = [] if item.logprobs is None else [item.logprobs]
-            choice.add(item.text, logprobs)
-            piece.add(item.text, logprobs)
+            if not self._prompt_only:
+                logprobs = [] if item.logprobs is None else [item.logprobs]
+                choice.add(item.text, logprobs)
+                piece.add(item.text, logprobs)
         else:
             assert isinstance(item, Finished)
+            if self._prompt_only:
+                item = replace(item, reason="length", matched_stop=None, completion_tokens=0)
             choice.end = piece.end = item
 
     def _ended(self) -> bool:

@@ -358,10 +358,19 @@ class CompletionRequest(_GenerateRequest):
             raise ApiError(400, "prompt must not be empty")
         return list(self.prompt)  # type: ignore[arg-type]
 
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's and OpenAI's: echo with max_tokens 0 answers the prompt alone (with its
+        logprobs where asked), a prompt scored. The engine still computes one token, with which
+        the prompt's logprobs come; the reply leaves it out."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         """With echo, logprobs are the prompt's too (OpenAI's; lm-evaluation-harness scores
         with them)."""
-        params = self._params(self.max_tokens, self.logprobs, defaults)
+        if self.echo_only and self.min_tokens:
+            raise ApiError(400, "min_tokens must be at most max_tokens (0)", param="min_tokens")
+        params = self._params(1 if self.echo_only else self.max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
             params = replace(params, prompt_logprobs=params.logprobs)
         return params
