@@ -121,13 +121,21 @@ class StructuredOutput:
             )
 
 
-class InvalidSamplingParam(ValueError):
+class FieldError(ValueError):
+    """A request refused for the value of one of its fields, `name` (the error's `param`)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class InvalidSamplingParam(FieldError):
     """A SamplingParams field's value breaks its rule: the message is the field's name and the
     requirement, or `message` where other words say it better."""
 
     def __init__(self, name: str, requirement: str, message: str | None = None) -> None:
-        super().__init__(message or f"{name} {requirement}")
-        self.name, self.requirement = name, requirement
+        super().__init__(name, message or f"{name} {requirement}")
+        self.requirement = requirement
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ import msgpack
 import zmq
 
 from minisgl.core import (
+    FieldError,
     FinishReason,
-    InvalidSamplingParam,
     PromptOptions,
     SamplingParams,
     StructuredOutput,
@@ -177,12 +177,12 @@ class ReqError:
     rid: int
     message: str
     queued: bool = False  # False: refused before it was queued, so never counted as served
-    param: str | None = None  # the SamplingParams field at fault, where one is
+    param: str | None = None  # the field at fault, where one is (FieldError)
 
     @classmethod
     def refusing(cls, rid: int, error: Exception) -> ReqError:
-        """Request rid refused for `error`, naming its field where a sampling field is at fault."""
-        param = error.name if isinstance(error, InvalidSamplingParam) else None
+        """Request rid refused for `error`, naming its field where one is at fault."""
+        param = error.name if isinstance(error, FieldError) else None
         return cls(rid, str(error), param=param)
 
 

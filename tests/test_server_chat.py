@@ -134,6 +134,7 @@ def test_chat_errors(server: ServerProcess, qwen3_path: str) -> None:
     # a template variable may not replace one of the template's globals
     shadow = post({"messages": MESSAGES, "chat_template_kwargs": {"namespace": 1}})
     assert shadow.status_code == 400 and "may not set namespace" in shadow.text
+    assert shadow.json()["error"]["param"] == "chat_template_kwargs"
     assert post({"messages": MESSAGES, "max_tokens": 1}).status_code == 200
     assert_clean(server, before, qwen3_path)
 
@@ -179,8 +180,10 @@ def test_vllms_chat_ends_shape_the_prompt_of_chat_tokenize_and_llm_chat(
 
 def test_the_chat_ends_are_refused_together_and_on_a_text_prompt(server: ServerProcess) -> None:
     both = {"add_generation_prompt": True, "continue_final_message": True}
-    refused = server.post("/v1/chat/completions", json={"messages": CONTINUED, **both})
-    assert refused.status_code == 400 and "not compatible" in refused.text
+    for route in ("/v1/chat/completions", "/tokenize"):
+        refused = server.post(route, json={"messages": CONTINUED, **both})
+        assert refused.status_code == 400 and "not compatible" in refused.text
+        assert refused.json()["error"]["param"] == "continue_final_message"
     on_text = server.post("/tokenize", json={"prompt": "Hi", "add_generation_prompt": False})
     assert on_text.status_code == 400 and "add_generation_prompt: a chat's" in on_text.text
 

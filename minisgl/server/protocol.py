@@ -572,6 +572,10 @@ class _Rendering(_Strict):
     continue_final_message: bool = False
 
     def prompt_options(self) -> PromptOptions:
+        if self.continue_final_message and self.add_generation_prompt:  # transformers' rule
+            raise ApiError(400, "continue_final_message and add_generation_prompt are not "
+                           "compatible: continuing the final message needs "
+                           "add_generation_prompt false", param="continue_final_message")  # fmt: skip
         return PromptOptions(
             self.add_special_tokens, self.add_generation_prompt, self.continue_final_message
         )

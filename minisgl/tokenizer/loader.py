@@ -10,7 +10,7 @@ import jinja2
 from transformers import PreTrainedTokenizerFast
 
 from minisgl.config import ConfigError
-from minisgl.core import PromptOptions
+from minisgl.core import FieldError, PromptOptions
 
 Tokenizer = PreTrainedTokenizerFast
 # what apply_chat_template sets itself, and the globals of its Jinja environment (Jinja's own,
@@ -65,7 +65,9 @@ def prompt_ids(
         kwargs = template_kwargs or {}
         taken = sorted(set(kwargs) & _RENDER_NAMES)
         if taken:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}")
+            raise FieldError(
+                "chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(taken)}"
+            )
         try:
             text = tokenizer.apply_chat_template(
                 messages,
