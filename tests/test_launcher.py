@@ -80,6 +80,8 @@ def _model_dir(
         (["--device", "cpu", "--health-timeout", "0.3"], "--health-timeout must be at least 1 s"),
         (["--device", "cpu", "--chat-template", "/nonexistent/t.jinja"], "no readable file"),
         (["--device", "cpu", "--chat-template", "{% if %}"], "--chat-template is no Jinja"),
+        # an empty file was served, and every chat got a 400
+        (["--device", "cpu", "--chat-template", " \n"], "--chat-template writes no text"),
         (["--device", "cpu", "--tp", "3"], "--tp 3 must divide the model's attention heads (8)"),
         # a traceback before; cpu:3 failed in scheduler-0 after the API server started
         (["--device", "tpu"], "device 'tpu' is not supported"),

@@ -27,16 +27,19 @@ def check_tokenizer(model_path: Path) -> None:
 
 
 def check_chat_template(tokenizer: Tokenizer, chat_template: str) -> None:
-    """Raise ConfigError if a template given instead of the model's is no Jinja template: every
-    chat would otherwise get a 400 for the operator's mistake."""
+    """Raise ConfigError if a template given instead of the model's is no Jinja template, or
+    writes nothing for a conversation (an empty file): every chat would otherwise get a 400 for
+    the operator's mistake."""
     try:
-        tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             [{"role": "user", "content": "Hi"}], chat_template=chat_template, tokenize=False
         )
     except jinja2.TemplateSyntaxError as e:
         raise ConfigError(f"--chat-template is no Jinja template: {e}") from None
     except jinja2.TemplateError:  # its own checks, which a real conversation may pass
-        pass
+        return
+    if not str(text).strip():
+        raise ConfigError("--chat-template writes no text for a conversation (an empty file?)")
 
 
 def load_tokenizer(model_path: Path) -> Tokenizer:
