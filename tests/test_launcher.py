@@ -2,12 +2,15 @@
 no traceback; a setting only the engine can check fails in one line naming the process; and the
 flags vLLM users reach for exist and reach the server."""
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +24,7 @@ from minisgl.utils import DEFAULT_MODEL_PATH
 from minisgl.utils.torch_utils import resolve_dtype
 
 from .conftest import TOKENIZER_FILES
-from .server_process import ServerProcess, free_port
+from .server_process import ServerProcess, alive, children, free_port, process_name
 
 
 def _launch(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -288,3 +291,33 @@ def test_a_process_that_exits_now_exits_with_its_code_even_if_its_stdout_is_clos
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert done.returncode == 3, done.stderr
+
+
+def test_a_stop_while_the_server_starts_ends_it_at_once() -> None:
+    """SIGTERM as the children appear, before the API server takes SIGTERM (it ignores it until
+    its own handler is set): nothing is served yet, so nothing is drained. It waited for the
+    drain's --shutdown-timeout + 5 s (16 s) before."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "minisgl", "--port", str(free_port()), "--device", "cpu"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        started: list[int] = []
+        while time.monotonic() < deadline:
+            started = children(launcher.pid)
+            with contextlib.suppress(OSError):  # a child that exited since
+                if "api-server" in map(process_name, started):
+                    break
+            time.sleep(0.002)
+        else:
+            raise AssertionError("no API server started")
+        stop = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+        assert time.monotonic() - stop < 6
+        assert not [pid for pid in started if alive(pid)]
+    finally:
+        launcher.kill()
+        launcher.wait()

@@ -313,7 +313,7 @@ def launch(args: ServerArgs) -> int:
     servers: list[list[BaseProcess]] = []  # the server's processes; with --dp, each replica's
     router: list[BaseProcess] = []  # with --dp
     url = _base_url(args)
-    stopping = broken = False
+    stopping = broken = serving = False
     start = time.monotonic()
     try:
         if args.dp_size == 1:
@@ -335,6 +335,7 @@ def launch(args: ServerArgs) -> int:
                 f" through vllm-router ({args.router_policy}; its metrics at {metrics}) in "
                 f"front of replicas at {', '.join(replica_urls)}"
             )
+        serving = True
         if defaults := sampling_defaults(args.generation_config, args.engine.model_path):
             _say(
                 f"requests that leave them out sample with {defaults} (--generation-config "
@@ -364,11 +365,13 @@ def launch(args: ServerArgs) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         procs = [*_flat(servers), *router]
-        if stopping:  # the API servers and the router drain on SIGTERM: they answer what they have
-            _drain(servers, router, args.shutdown_timeout + _STOP_TIMEOUT_S)
+        if stopping and serving:  # the API servers and the router drain on SIGTERM: they answer
+            _drain(servers, router, args.shutdown_timeout + _STOP_TIMEOUT_S)  # what they have
         elif broken:
             _answer_open_requests(procs)
-        _stop(procs)
+        # still starting, nothing to answer, and an API server may not yet take SIGTERM (a stop
+        # then waited for the drain's 15 s)
+        _stop(procs, _STOP_TIMEOUT_S if serving else 0.0)
 
 
 def _serve(
