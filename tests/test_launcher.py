@@ -321,3 +321,14 @@ def test_a_stop_while_the_server_starts_ends_it_at_once() -> None:
     finally:
         launcher.kill()
         launcher.wait()
+
+
+def test_host_ipv6_any_takes_ipv4_clients_too(tmp_path: Path) -> None:
+    """`--host ::` listens on every address, as vLLM's does (Linux's IPV6_V6ONLY default): it
+    refused IPv4 clients (asyncio's IPv6 socket is IPv6-only)."""
+    server = ServerProcess(tmp_path, "--host", "::")
+    try:
+        for base in (f"http://127.0.0.1:{server.port}", f"http://[::1]:{server.port}"):
+            assert httpx.get(base + "/health", timeout=10).status_code == 200, base
+    finally:
+        server.stop()

@@ -8,10 +8,12 @@ then each is answered with a 503 (a stream: an error event) and the process exit
 import asyncio
 import contextlib
 import importlib.metadata
+import ipaddress
 import json
 import logging
 import secrets
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +31,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from minisgl.config import ConfigError
 from minisgl.core import SamplingParams, StructuredOutput, choice_params
 from minisgl.messages import Addresses, Ready, TokenizerAnswer, TokenizeRequest, TokenizerQuery
 from minisgl.utils import sampling_defaults
@@ -578,7 +581,27 @@ def run_api_server(args: ServerArgs, addresses: Addresses) -> None:
     )
     logging.getLogger("uvicorn.access").addFilter(_AccessLines())  # after uvicorn's own set-up
     server = uvicorn.Server(config)
-    server.run()
+    server.run(sockets=_ipv6_socket(args.host, args.port))
+
+
+def _ipv6_socket(host: str, port: int) -> list[socket.socket] | None:
+    """An IPv6 host's listening socket, bound here with the system's IPV6_V6ONLY (off on Linux,
+    as vLLM binds it): `--host ::` takes IPv4 clients too, where asyncio's socket, IPv6-only,
+    refused them. None for an IPv4 host or a name: uvicorn binds those."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if address.version != 6:
+        return None
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((str(address), port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen at [{address}]:{port}: {e}") from None
+    return [sock]
 
 
 class _AccessLines(logging.Filter):
