@@ -332,3 +332,33 @@ def test_host_ipv6_any_takes_ipv4_clients_too(tmp_path: Path) -> None:
             assert httpx.get(base + "/health", timeout=10).status_code == 200, base
     finally:
         server.stop()
+
+
+def test_enable_log_requests_logs_each_request_as_it_ends(tmp_path: Path) -> None:
+    """vLLM's flag: a line per request (it was only uvicorn's access line: no id, no tokens; and
+    none for a client that left before its answer)."""
+    server = ServerProcess(tmp_path, "--enable-log-requests")
+    try:
+
+        def post(rid: str, route: str, body: dict) -> httpx.Response:
+            return httpx.post(
+                server.url + route, json=body, headers={"X-Request-Id": rid}, timeout=60
+            )
+
+        whole = {"prompt": "Once", "max_tokens": 3, "n": 2, "ignore_eos": True}
+        assert post("first", "/v1/completions", whole).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        assert post("second", "/v1/chat/completions", chat).status_code == 200
+        assert post("third", "/v1/completions", {"prompt": [1, 10**6]}).status_code == 400
+        log = server.log()
+        assert re.search(
+            r"request first \(/v1/completions\): 200, prompt \d+ tokens \(\d+ "
+            r"cached\), 6 generated, finish length,length, [\d.]+ s",
+            log,
+        ), log
+        assert "request second (/v1/chat/completions): 200 (streamed), prompt" in log
+        assert "2 generated, finish length, " in log
+        assert "request third (/v1/completions): 400 token id" in log
+    finally:
+        server.stop()

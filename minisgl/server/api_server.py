@@ -580,6 +580,9 @@ def run_api_server(args: ServerArgs, addresses: Addresses) -> None:
         timeout_graceful_shutdown=1,
     )
     logging.getLogger("uvicorn.access").addFilter(_AccessLines())  # after uvicorn's own set-up
+    logging.getLogger("minisgl.requests").setLevel(
+        logging.INFO if args.enable_log_requests else logging.WARNING
+    )
     server = uvicorn.Server(config)
     server.run(sockets=_ipv6_socket(args.host, args.port))
 

@@ -37,6 +37,7 @@ class ServerArgs:
     health_timeout: float = 20.0  # /health fails once the scheduler was silent this long
     timeout_keep_alive: int = 5  # seconds a connection may stay idle, between or in requests
     log_level: str = "info"
+    enable_log_requests: bool = False  # a line per request as it ends (vLLM's flag)
     node_rank: int = 0  # which of engine.nnodes machines this is; node 0 serves the API
     dist_init_addr: str | None = None  # HOST:PORT where node 0 meets the others (TCP)
     dp_size: int = 1  # replicas behind vllm-router; 1: one server, no router

@@ -105,6 +105,8 @@ _HELP = {
     "mid-request, or with its response unread (with --dp, the replicas'; vllm-router has no "
     "such limit)",
     "log_level": "logging level",
+    "enable_log_requests": "log a line for each request as it ends: its id (X-Request-Id), "
+    "route, status, tokens and seconds (as vLLM's)",
     "tool_call_parser": "read tool calls out of chat replies in this model family's format, for "
     "tool_choice auto (required and named choices need none: a grammar holds the reply to the "
     "calls)",

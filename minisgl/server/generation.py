@@ -5,6 +5,7 @@ A request ends early when its client goes away (streaming or not: its engine req
 aborted), when it runs past --request-timeout, or when the server shuts down."""
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,13 +19,16 @@ from starlette.responses import Response
 
 from minisgl.core import SamplingParams
 from minisgl.messages import Finished, ReqError, TextLogprobs, TokenizeRequest
+from minisgl.utils import init_logger
 
-from .disconnect import until_disconnected
+from .disconnect import ClientGone, until_disconnected
 from .engine_client import Delta, EngineClient, Interrupted, Item, ReqGroup
 from .errors import ApiError
 from .responses import Choice, ReplyFormat, json_response, usage, vllm_prompt_logprobs
 
 Items = list[tuple[int, Item]]
+# a line per request as it ends, at INFO where --enable-log-requests is given (else WARNING)
+_request_log = init_logger("minisgl.requests")
 
 
 async def generate(
@@ -54,7 +58,7 @@ async def generate(
     reply_id = f"{fmt.id_prefix}-{request_id}"
     run = _Run(
         client, group, fmt, model, reply_id, tokenize.params, want_logprobs, timeout,
-        request_field, echo, prompt_only,
+        request_field, echo, prompt_only, f"request {request_id} ({request.url.path})",
     )  # fmt: skip
     streaming = False
     try:
@@ -64,7 +68,15 @@ async def generate(
             return StreamingResponse(
                 run.stream(first, include_usage), media_type="text/event-stream", headers=headers
             )
-        return json_response(await until_disconnected(request, run.collect(first)), headers=headers)
+        reply = await until_disconnected(request, run.collect(first))
+        run.log_end("200")
+        return json_response(reply, headers=headers)
+    except ApiError as e:
+        run.log_end(f"{e.status} {e}")
+        raise
+    except ClientGone:
+        run.log_end("the client left")
+        raise
     finally:
         if not streaming:
             run.end()
@@ -96,8 +108,12 @@ class _Run:
         request_field: Callable[[str], str],
         echo: list[str] | None,
         prompt_only: bool,
+        name: str,
     ) -> None:
         self.client, self.group, self.fmt = client, group, fmt
+        self._name = name  # who the request log's line is about
+        self._start = time.monotonic()
+        self._logged = False
         self._request_field = request_field
         self._prompt_only = prompt_only
         self._echo = echo  # by choice: the text it starts with
@@ -202,6 +218,22 @@ class _Run:
     def _ended(self) -> bool:
         return all(c.end is not None for c in self.choices)
 
+    def log_end(self, outcome: str) -> None:
+        """The request log's line (--enable-log-requests): how the request ended, its tokens and
+        its seconds."""
+        if self._logged or not _request_log.isEnabledFor(logging.INFO):
+            return
+        self._logged = True
+        if self._ended():
+            counts = usage(self.choices, self.n)
+            finishes = ",".join(str(c.finish_reason) for c in self.choices)
+            outcome += (
+                f", prompt {counts['prompt_tokens']} tokens "
+                f"({counts['prompt_tokens_details']['cached_tokens']} cached), "
+                f"{counts['completion_tokens']} generated, finish {finishes}"
+            )
+        _request_log.info("%s: %s, %.3f s", self._name, outcome, time.monotonic() - self._start)
+
     def end(self) -> None:
         """Abort what is left of the group (a no-op unless the request was cut short)."""
         if self._deadline_abort is not None:
@@ -248,8 +280,12 @@ class _Run:
                     {**self._envelope([], chunk=True), "usage": usage(self.choices, self.n)}
                 )
         except ApiError as e:
+            self.log_end(f"{e.status} {e} (streamed)")
             yield _event(e.body())
+        else:
+            self.log_end("200 (streamed)")
         finally:
+            self.log_end("the client left (streamed)")  # unless it ended otherwise
             self.end()
         yield b"data: [DONE]\n\n"
 
