@@ -11,7 +11,6 @@ import threading
 from collections.abc import Iterator
 
 _pending = threading.Event()
-_holding = threading.Event()  # deferred_interrupts is holding SIGINT
 
 
 def _hold(signum: int, frame: object) -> None:
@@ -30,11 +29,9 @@ def deferred_interrupts() -> Iterator[None]:
         return
     _pending.clear()
     signal.signal(signal.SIGINT, _hold)
-    _holding.set()
     try:
         yield
     finally:
-        _holding.clear()
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if _pending.is_set():
         raise KeyboardInterrupt
@@ -45,7 +42,8 @@ def interruptible() -> Iterator[None]:
     """Inside deferred_interrupts: SIGINT raises at once in this block, and one held from before
     raises as it starts; for work that leaves nothing half done where it is cut. Elsewhere:
     nothing changes."""
-    if not _holding.is_set() or threading.current_thread() is not threading.main_thread():
+    holding = signal.getsignal(signal.SIGINT) is _hold  # inside deferred_interrupts
+    if not holding or threading.current_thread() is not threading.main_thread():
         yield
         return
     if _pending.is_set():
