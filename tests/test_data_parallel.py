@@ -12,6 +12,7 @@ import random
 import re
 import signal
 import string
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +21,6 @@ import httpx
 import pytest
 
 from .server_process import ServerProcess, process_name, read_metrics, wait_for
-from .stress.checks import FIRST_TOKENS
 from .stress.clients import read_stream
 
 MODEL = "stories"
@@ -314,31 +314,51 @@ def _router_workers(server: ServerProcess) -> list[str]:
     return [w["url"] for w in listing["workers"] if w["is_healthy"]]
 
 
+class _StopAtEachEvent:
+    """Called by the thread reading a stream: until `off`, each event stops the process `pid`
+    (SIGSTOP) at once, so a stream that has begun moves no further. The stop comes from the
+    reader, not from a loop that lets the process run in slices: a scheduler continued after a
+    SIGSTOP has held its core for seconds on a VM, and its own API server, sharing that core,
+    sent nothing meanwhile (1,900 tokens in one 20 ms slice)."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self._lock = threading.Lock()  # no stop once `off` has returned
+        self._on = True
+        self.stopped = threading.Event()
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._on:
+                os.kill(self._pid, signal.SIGSTOP)
+                self.stopped.set()
+
+    def off(self) -> None:
+        with self._lock:
+            self._on = False
+
+
 def test_a_replica_that_dies_during_a_drain_cuts_only_its_own_streams(tmp_path: Path) -> None:
-    """SIGTERM lets both replicas drain; replica 0's scheduler is then killed: its stream ends at
-    once with an error, and replica 1's runs to its end (every replica's was cut: a process
-    exiting during the drain had every API server answer what it had open)."""
-    server = _start(
-        tmp_path, "--max-kv-tokens", "8192", "--router-policy", "round_robin",
-        "--shutdown-timeout", "60",
-    )  # fmt: skip
+    """A stream to each replica, both begun; SIGTERM lets both replicas drain; replica 0's
+    scheduler is then killed: its stream ends at once with an error, and replica 1's runs to its
+    end (every replica's was cut: a process exiting during the drain had every API server answer
+    what it had open)."""
+    server = _start(tmp_path, "--max-kv-tokens", "8192", "--shutdown-timeout", "60")
     schedulers = [server.child(f"r{i}-scheduler-0") for i in range(2)]
+    stops = [_StopAtEachEvent(pid) for pid in schedulers]
     body = {
         "model": MODEL, "prompt": "Once", "max_tokens": 1900, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True},
     }  # fmt: skip
-    for pid in schedulers:  # no stream may end before the kill, however slow the machine
-        os.kill(pid, signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(2) as pool:
-            streams = [pool.submit(read_stream, server, "/v1/completions", body) for _ in range(2)]
-            deadline = time.monotonic() + 60
-            while _replica_metrics(server, FIRST_TOKENS) != [1.0, 1.0]:  # one each, begun
-                assert time.monotonic() < deadline, _replica_metrics(server, FIRST_TOKENS)
-                for signum in (signal.SIGCONT, signal.SIGSTOP):
-                    for pid in schedulers:
-                        os.kill(pid, signum)
-                    time.sleep(0.02 if signum == signal.SIGCONT else 0.2)
+            streams = [
+                pool.submit(read_stream, server, "/v1/completions", body, stop, url)
+                for stop, url in zip(stops, _replica_urls(server), strict=True)
+            ]
+            for stop in stops:
+                wait_for(stop.stopped.is_set, 60, "a stream never began")
+                stop.off()
             server.proc.send_signal(signal.SIGTERM)
             wait_for(
                 lambda: all(
@@ -350,18 +370,14 @@ def test_a_replica_that_dies_during_a_drain_cuts_only_its_own_streams(tmp_path: 
             )
             os.kill(schedulers[0], signal.SIGKILL)
             os.kill(schedulers[1], signal.SIGCONT)
-            outcomes = sorted(
-                (
-                    (s.completion_tokens, s.done, s.events[-1].get("error", {}).get("message", ""))
-                    for s in (f.result() for f in streams)
-                ),
-                key=lambda outcome: outcome[0] or 0,
+            cut, whole = (
+                (s.completion_tokens, s.done, s.events[-1].get("error", {}).get("message", ""))
+                for s in (f.result() for f in streams)
             )
     finally:
         for pid in schedulers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-    (_, cut_done, cut_error), whole = outcomes
-    assert cut_done and "the engine stopped" in cut_error, outcomes
-    assert whole[:2] == (1900, True), outcomes
+    assert cut[1] and "the engine stopped" in cut[2], cut
+    assert whole[:2] == (1900, True), whole
     assert server.wait_exit(timeout=30) == 0

@@ -86,12 +86,13 @@ def read_stream(
     server: ServerProcess,
     route: str,
     body: dict[str, Any],
-    started: threading.Event | None = None,
+    on_event: Callable[[], None] | None = None,
+    url: str | None = None,
 ) -> Streamed:
-    """POST `body` (with stream: true) and read the answer to its end; `started` is set when
-    the first event arrives."""
+    """POST `body` (with stream: true) to the server, or to `url` (a --dp replica's), and read
+    the answer to its end, calling `on_event` as each event arrives."""
     with httpx.stream(
-        "POST", server.url + route, json=body, headers=server.headers, timeout=120
+        "POST", (url or server.url) + route, json=body, headers=server.headers, timeout=120
     ) as response:
         if response.status_code != 200:
             return Streamed(response.status_code, [json.loads(response.read())], False)
@@ -102,8 +103,8 @@ def read_stream(
             elif line.startswith("data: "):
                 assert not done, "an event after [DONE]"
                 events.append(json.loads(line.removeprefix("data: ")))
-                if started is not None:
-                    started.set()
+                if on_event is not None:
+                    on_event()
         return Streamed(200, events, done)
 
 

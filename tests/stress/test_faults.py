@@ -256,7 +256,7 @@ def test_request_past_its_timeout_is_a_400_that_nothing_retries_and_frees_its_pa
         assert REQUEST_TIMEOUT_S <= time.monotonic() - start < REQUEST_TIMEOUT_S + 10
         assert error["code"] == "request_timeout" and "--request-timeout" in error["message"]
         began = threading.Event()
-        stream = pool.submit(read_stream, server, CHAT, _stream_body(CHAT, "Once", 1900), began)
+        stream = pool.submit(read_stream, server, CHAT, _stream_body(CHAT, "Once", 1900), began.set)
         assert began.wait(60)
         with server.scheduler_stopped():
             streamed = stream.result()
@@ -350,7 +350,11 @@ def test_sigterm_under_load_ends_every_request_and_exits_0(start_server, size) -
         with server.scheduler_stopped(until=every_long_one_runs):
             short = [
                 pool.submit(
-                    read_stream, server, COMPLETIONS, _stream_body(COMPLETIONS, f"B {i}", 8), event
+                    read_stream,
+                    server,
+                    COMPLETIONS,
+                    _stream_body(COMPLETIONS, f"B {i}", 8),
+                    event.set,
                 )
                 for i, event in enumerate(started)
             ]
@@ -490,7 +494,7 @@ def test_stopped_scheduler_makes_health_503_until_it_resumes(start_server) -> No
     with ThreadPoolExecutor(1) as pool:
         running = threading.Event()
         body = _stream_body(COMPLETIONS, "Once", 1900)
-        stream = pool.submit(read_stream, server, COMPLETIONS, body, running)
+        stream = pool.submit(read_stream, server, COMPLETIONS, body, running.set)
         assert running.wait(30)
         with server.scheduler_stopped():
             wait_for(
