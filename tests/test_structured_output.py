@@ -178,6 +178,39 @@ def test_a_constraint_refused_or_too_costly_is_a_400_and_the_server_serves_on(
     assert_clean(server, before, "q")  # no page leaked
 
 
+BAD_PATTERN = {"type": "string", "pattern": "("}  # compiles in the scheduler, and fails there
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "("}},
+         "structured_outputs.regex"),
+        ("/v1/completions", {"prompt": "x", "guided_json": BAD_PATTERN}, "guided_json"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "x"}],
+          "response_format": {"type": "json_schema",
+                              "json_schema": {"name": "s", "schema": BAD_PATTERN}}},
+         "response_format.json_schema.schema"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+          "tools": [{"type": "function", "function": {
+              "name": "f", "parameters": {"type": "object", "properties": {"a": BAD_PATTERN}}}}]},
+         "tools"),
+    ],
+    ids=["structured_outputs", "guided_json", "response_format", "tools"],
+)  # fmt: skip
+def test_a_constraint_the_scheduler_refuses_names_the_field_that_gave_it(
+    server: ServerProcess, route: str, body: dict, param: str
+) -> None:
+    before = server.metrics()
+    response = server.post(route, json={"model": "q", "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "invalid structured output" in error["message"], error
+    assert_clean(server, before, "q")
+
+
 def test_a_grammar_past_its_timeout_is_a_400_and_the_server_serves_on(
     server: ServerProcess,
 ) -> None:

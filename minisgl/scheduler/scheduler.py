@@ -208,12 +208,12 @@ class Scheduler:
         self._end_in_error(self.grammars.take_failed())
 
     def _end_in_error(self, ended: Iterable[tuple[int, str]]) -> None:
-        """End each request (rid, why) in error, whatever its stage (its Finished is not sent:
-        the error is); one that ended already is skipped."""
+        """End each request (rid, why) in error for its structured output, whatever its stage
+        (its Finished is not sent: the error is); one that ended already is skipped."""
         for rid, message in ended:
             if (req := self._reqs.get(rid)) is not None:
                 self._finish(req, "abort", None)
-                self._errors.append(ReqError(rid, message, queued=True))
+                self._errors.append(ReqError(rid, message, queued=True, param="structured"))
 
     def take_too_slow(self) -> EndRequests | None:
         """Rank 0's (or the only rank's): the requests whose matcher took a step past

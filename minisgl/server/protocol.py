@@ -256,7 +256,16 @@ class _GenerateRequest(_Body):
 
     def _structured(self) -> StructuredOutput | None:
         """The one output constraint given by response_format, structured_outputs or guided_*."""
-        given: list[tuple[str, StructuredOutput]] = []  # (the request field, its constraint)
+        given = self._constraints()
+        if len(given) > 1:
+            fields = ", ".join(field for field, _ in given)
+            raise ApiError(400, f"give one output constraint, not {len(given)} ({fields})",
+                           param=given[1][0])  # fmt: skip
+        return given[0][1] if given else None
+
+    def _constraints(self) -> list[tuple[str, StructuredOutput]]:
+        """Each output constraint the request gives, with the field that gives it."""
+        given: list[tuple[str, StructuredOutput]] = []
         if self.response_format is not None and self.response_format.type == "json_object":
             given.append(("response_format", StructuredOutput(json_object=True)))
         elif self.response_format is not None and self.response_format.type == "json_schema":
@@ -280,16 +289,11 @@ class _GenerateRequest(_Body):
             ("guided_choice", "choice", self.guided_choice),
             ("guided_grammar", "grammar", self.guided_grammar),
         ]
-        given += [
+        return given + [
             (field, _structured_output(kind, value, field))
             for field, kind, value in sources
             if value is not None
         ]
-        if len(given) > 1:
-            fields = ", ".join(field for field, _ in given)
-            raise ApiError(400, f"give one output constraint, not {len(given)} ({fields})",
-                           param=given[1][0])  # fmt: skip
-        return given[0][1] if given else None
 
     def _params(
         self,
@@ -326,8 +330,9 @@ class _GenerateRequest(_Body):
             raise ApiError(400, f"{name} {requirement}", param=name) from None
 
     def request_field(self, name: str) -> str:
-        """The request's name for a SamplingParams field."""
-        return name
+        """The request's name for a SamplingParams field (`structured`: the field that gave the
+        constraint, which the scheduler refused)."""
+        return self._constraints()[0][0] if name == "structured" else name
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -659,7 +664,9 @@ class ChatCompletionRequest(_GenerateRequest, _Rendering):
             return "top_logprobs"
         if name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return name
+        if name == "structured" and not self._constraints():  # tool_choice's or strict tools'
+            return "tools"
+        return super().request_field(name)
 
     def tool_use(self) -> tuple[Literal["none", "auto", "required", "named"], str | None]:
         """How the reply is read for calls, and the named choice's function; raises ApiError(400)
