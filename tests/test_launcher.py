@@ -336,8 +336,8 @@ def test_host_ipv6_any_takes_ipv4_clients_too(tmp_path: Path) -> None:
 
 def test_enable_log_requests_logs_each_request_as_it_ends(tmp_path: Path) -> None:
     """vLLM's flag: a line per request (it was only uvicorn's access line: no id, no tokens; and
-    none for a client that left before its answer)."""
-    server = ServerProcess(tmp_path, "--enable-log-requests")
+    none for a client that left before its answer, or one the queue refused)."""
+    server = ServerProcess(tmp_path, "--enable-log-requests", "--max-queued-requests", "2")
     try:
 
         def post(rid: str, route: str, body: dict) -> httpx.Response:
@@ -351,6 +351,7 @@ def test_enable_log_requests_logs_each_request_as_it_ends(tmp_path: Path) -> Non
                 "ignore_eos": True, "stream": True}  # fmt: skip
         assert post("second", "/v1/chat/completions", chat).status_code == 200
         assert post("third", "/v1/completions", {"prompt": [1, 10**6]}).status_code == 400
+        assert post("fourth", "/v1/completions", {"prompt": "Once", "n": 3}).status_code == 400
         log = server.log()
         assert re.search(
             r"request first \(/v1/completions\): 200, prompt \d+ tokens \(\d+ "
@@ -360,5 +361,6 @@ def test_enable_log_requests_logs_each_request_as_it_ends(tmp_path: Path) -> Non
         assert "request second (/v1/chat/completions): 200 (streamed), prompt" in log
         assert "2 generated, finish length, " in log
         assert "request third (/v1/completions): 400 token id" in log
+        assert "request fourth (/v1/completions): 400 3 sequences (prompts x n) exceed" in log
     finally:
         server.stop()

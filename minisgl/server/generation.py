@@ -54,11 +54,16 @@ async def generate(
     id is the client's X-Request-Id where it sends one, as vLLM's, and the header comes back."""
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
-    group = client.submit(tokenize)
+    name = f"request {request_id} ({request.url.path})"
+    try:
+        group = client.submit(tokenize)
+    except ApiError as e:  # refused before it runs: a full queue (429), a drain (503)
+        _request_log.info("%s: %s %s", name, e.status, e)
+        raise
     reply_id = f"{fmt.id_prefix}-{request_id}"
     run = _Run(
         client, group, fmt, model, reply_id, tokenize.params, want_logprobs, timeout,
-        request_field, echo, prompt_only, f"request {request_id} ({request.url.path})",
+        request_field, echo, prompt_only, name,
     )  # fmt: skip
     streaming = False
     try:
