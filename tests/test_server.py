@@ -352,6 +352,26 @@ def test_a_clients_request_id_names_the_reply(server: ServerProcess, stream: boo
     assert plain.headers["x-request-id"] and plain.headers["x-request-id"] != "trace-42"
 
 
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"model": MODEL, "prompt": PROMPT, "max_tokens": 10**6}, 400),  # the tokenizer's
+        ({"model": MODEL, "prompt": PROMPT, "temperature": -1}, 400),  # the API server's
+        ({"model": "gpt-5", "prompt": PROMPT}, 404),
+    ],
+    ids=["after submit", "before submit", "unknown model"],
+)
+def test_an_error_answer_carries_the_request_id_too(
+    server: ServerProcess, body: dict, status: int
+) -> None:
+    """A refused request can be matched to its line in the request log (it had no header)."""
+    headers = {**server.headers, "X-Request-Id": "trace-43"}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=headers)
+    assert r.status_code == status and r.headers["x-request-id"] == "trace-43", r.text
+    plain = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers)
+    assert plain.status_code == status and len(plain.headers["x-request-id"]) == 32
+
+
 def test_unknown_model_is_a_404(server: ServerProcess) -> None:
     with pytest.raises(openai.NotFoundError):
         server.client().completions.create(model="gpt-5", prompt=PROMPT)

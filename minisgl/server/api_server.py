@@ -15,6 +15,7 @@ import secrets
 import signal
 import socket
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from minisgl.config import ConfigError
@@ -134,6 +135,7 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
 
     if args.api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(_RequestIdMiddleware)
     # added last, so outermost: a browser's preflight carries no key, and is answered here
     app.add_middleware(
         CORSMiddleware,
@@ -406,6 +408,31 @@ class _ApiKeyMiddleware:
                 await _error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _RequestIdMiddleware:
+    """Every answer carries X-Request-Id, an error's too: the client's, or one made here (vLLM's
+    --enable-request-id-headers); the handlers read it as `request.state.request_id`, the reply's
+    id and the request log's line are made of it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        request_id = given.decode("latin-1") if given else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode("latin-1"))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _HeadersTooLarge(Exception):

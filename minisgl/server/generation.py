@@ -7,7 +7,6 @@ aborted), when it runs past --request-timeout, or when the server shuts down."""
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -51,9 +50,8 @@ async def generate(
     its first token, and its prompt's logprobs where they were asked); prompt_only: the echo
     alone, each choice ending at its length with no token (its one token left out).
     request_field: the request's name for a sampling field, which a refusal names. The reply's
-    id is the client's X-Request-Id where it sends one, as vLLM's, and the header comes back."""
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    headers = {"X-Request-Id": request_id}
+    id is made of the request's id (its X-Request-Id, as vLLM's: `_RequestIdMiddleware`)."""
+    request_id = request.state.request_id
     name = f"request {request_id} ({request.url.path})"
     try:
         group = client.submit(tokenize)
@@ -71,11 +69,11 @@ async def generate(
         if stream:
             streaming = True  # the stream ends the run when it ends
             return StreamingResponse(
-                run.stream(first, include_usage), media_type="text/event-stream", headers=headers
+                run.stream(first, include_usage), media_type="text/event-stream"
             )
         reply = await until_disconnected(request, run.collect(first))
         run.log_end("200")
-        return json_response(reply, headers=headers)
+        return json_response(reply)
     except ApiError as e:
         run.log_end(f"{e.status} {e}")
         raise
