@@ -168,6 +168,8 @@ def test_a_constraint_refused_or_too_costly_is_a_400_and_the_server_serves_on(
                 model="q", prompt="x", max_tokens=64,
                 extra_body={"structured_outputs": bad, "min_tokens": 64},
             )  # fmt: skip
+    # the two that do not compile are refusals; the third ran, and ended in error
+    assert delta(before, server.metrics(), finished("error")) == 1
     with pytest.raises(openai.BadRequestError, match="give one output constraint"):
         client.completions.create(
             model="q", prompt="x", max_tokens=5,
@@ -208,6 +210,7 @@ def test_a_constraint_the_scheduler_refuses_names_the_field_that_gave_it(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and "invalid structured output" in error["message"], error
+    assert delta(before, server.metrics(), finished("error")) == 0  # a refusal, as a 400 before
     assert_clean(server, before, "q")
 
 

@@ -207,13 +207,14 @@ class Scheduler:
         """End in error each request whose matcher cannot go on."""
         self._end_in_error(self.grammars.take_failed())
 
-    def _end_in_error(self, ended: Iterable[tuple[int, str]]) -> None:
+    def _end_in_error(self, ended: Iterable[tuple[int, str]], queued: bool = True) -> None:
         """End each request (rid, why) in error for its structured output, whatever its stage
-        (its Finished is not sent: the error is); one that ended already is skipped."""
+        (its Finished is not sent: the error is); one that ended already is skipped. queued:
+        False for a refusal (a constraint that does not compile), which no metric counts."""
         for rid, message in ended:
             if (req := self._reqs.get(rid)) is not None:
                 self._finish(req, "abort", None)
-                self._errors.append(ReqError(rid, message, queued=True, param="structured"))
+                self._errors.append(ReqError(rid, message, queued=queued, param="structured"))
 
     def take_too_slow(self) -> EndRequests | None:
         """Rank 0's (or the only rank's): the requests whose matcher took a step past
@@ -286,7 +287,8 @@ class Scheduler:
         done, failed, overdue = flags[:n], flags[n : 2 * n], flags[2 * n :]
         for (rid, entry), ready, fail, late in zip(entries, done, failed, overdue, strict=True):
             if fail:  # only the leader knows why, and only its errors are sent
-                self._end_in_error([(rid, self._failure(entry) or "its grammar failed")])
+                why = self._failure(entry) or "its grammar failed"
+                self._end_in_error([(rid, why)], queued=False)  # the client's: vLLM refuses it
             elif ready:
                 del self._compiling[rid]
                 self.grammars.start(rid, entry.req.params.structured, entry.grammar, entry.request)
