@@ -6,11 +6,12 @@ starts ranks 1..N-1 as the server's follower processes (spawned: a script that m
 `if __name__ == "__main__":`); `close()` stops them. A process holds one TP group: one such LLM at
 a time."""
 
+import functools
 import itertools
 import operator
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from types import TracebackType
@@ -47,6 +48,8 @@ from minisgl.utils.torch_utils import resolve_device
 
 # text, token ids, or vLLM's prompt dicts: {"prompt": text} and {"prompt_token_ids": ids}
 Prompt = str | list[int] | dict[str, Any]
+# vLLM's: a bool, or what makes the progress bar (a tqdm subclass, say), given total and desc
+Progress = bool | Callable[..., tqdm]
 _PLACEMENT = ("tp_rank", "nnodes", "dist_init_method")  # the LLM places its ranks itself
 _STOP_TIMEOUT_S = 30.0
 
@@ -154,7 +157,7 @@ class LLM:
         self,
         prompts: str | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: Progress = True,
     ) -> list[dict[str, Any]]:
         """One result dict per prompt and choice: prompt by prompt, each prompt's choices (its
         params' n) in order. Bad input raises ValueError, before anything runs or as a
@@ -162,6 +165,8 @@ class LLM:
         the requests it added and empties the prefix cache (the step it cut off may have
         published pages before writing them)."""
         self._check_open()
+        if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+            raise ValueError(f"use_tqdm must be a bool or make a progress bar, not {use_tqdm!r}")
         tokenized = self._tokenize(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = sampling_params or self.get_default_sampling_params()
@@ -204,8 +209,13 @@ class LLM:
             raise
         return _results(add, runs)
 
-    def _run_to_end(self, out: StepOutputs, runs: dict[int, "_Run"], use_tqdm: bool) -> None:
-        with tqdm(total=len(runs), desc="generate", disable=not use_tqdm) as bar:
+    def _run_to_end(self, out: StepOutputs, runs: dict[int, "_Run"], use_tqdm: Progress) -> None:
+        progress = (
+            functools.partial(tqdm, disable=not use_tqdm)
+            if isinstance(use_tqdm, bool)
+            else use_tqdm
+        )
+        with progress(total=len(runs), desc="generate") as bar:
             while True:
                 if out.errors:  # a request ended in error as it ran (its grammar too costly)
                     raise ValueError(out.errors[0].message)
@@ -227,7 +237,7 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: Progress = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,

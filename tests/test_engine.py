@@ -1,6 +1,7 @@
 """Continuous batching, paging, chunking, prefix reuse, preemption, overlap and the CUDA-graph path
 all compute the same function as running one request at a time (and as Hugging Face)."""
 
+import io
 import json
 import random
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from tqdm import tqdm
 
 from minisgl import LLM, SamplingParams
 from minisgl.config import offline_chunk_size
@@ -541,6 +543,22 @@ def test_vllm_prompt_dicts_are_their_text_or_token_ids(stories_llm: LLM) -> None
         assert stories_llm.generate([prompt], params, use_tqdm=False)[0]["text"] == want["text"]
     with pytest.raises(ValueError, match="alone"):
         stories_llm.generate({"prompt": "a", "multi_modal_data": {}}, params, use_tqdm=False)
+
+
+def test_use_tqdm_may_make_the_progress_bar_as_vllm_s(stories_llm: LLM) -> None:
+    """vLLM's `use_tqdm` is a bool or what makes the bar (it was taken as True, the default bar
+    drawn)."""
+    bars: list[tqdm] = []
+
+    def make_bar(**kwargs) -> tqdm:
+        bars.append(tqdm(file=io.StringIO(), **kwargs))
+        return bars[-1]
+
+    params = SamplingParams(temperature=0, max_tokens=2)
+    assert len(stories_llm.generate(["Once", "The"], params, use_tqdm=make_bar)) == 2
+    assert [(bar.total, bar.n, bar.desc) for bar in bars] == [(2, 2, "generate")]
+    with pytest.raises(ValueError, match="use_tqdm must be a bool"):
+        stories_llm.generate(["Once"], params, use_tqdm="no")
 
 
 def test_prompts_from_a_generator_are_each_generated(stories_llm: LLM) -> None:
