@@ -150,7 +150,8 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """The params of a `generate` given none, as vLLM's: the sampling fields of the model's
         generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty) over
-        SamplingParams' defaults."""
+        SamplingParams' defaults. Frozen, as every SamplingParams (validated once): where vLLM's
+        code sets a field (`params.max_tokens = 64`), `dataclasses.replace` makes the copy."""
         return SamplingParams(**self._sampling_defaults)
 
     def generate(
