@@ -74,6 +74,7 @@ def _model_dir(
         (["--tp", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr HOST:PORT"),
         (["--device", "cpu", "--shutdown-timeout", "inf"], "--shutdown-timeout must be a finite"),
         (["--device", "cpu", "--request-timeout", "nan"], "--request-timeout must be a finite"),
+        (["--device", "cpu", "--shutdown-timeout", "3e6"], "and at most 1,000,000, not 3000000"),
         # the offline LLM's field names were the messages' words
         (["--device", "cpu", "--max-model-len", "0"], "--max-model-len must be an integer >= 1"),
         (["--device", "cpu", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization must be"),

@@ -1,4 +1,3 @@
-import math
 from dataclasses import dataclass, field
 
 from minisgl.config import EngineConfig, SchedulerConfig
@@ -11,6 +10,9 @@ from .tool_parser import TOOL_PARSERS
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random")
 # the scheduler's heartbeat and idle loop come every 0.5 s: a shorter limit fails a healthy server
 MIN_HEALTH_TIMEOUT_S = 1.0
+# 11.6 days: the launcher waits on its children in milliseconds that poll() takes as 32 bits
+# (--shutdown-timeout 3e6 ended the drain in an OverflowError, the launcher hung)
+MAX_TIMEOUT_S = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,11 @@ class ServerArgs:
             "--request-timeout": self.request_timeout,
         }
         for flag, seconds in timeouts.items():
-            if seconds is not None and not 0 < seconds < math.inf:
-                raise ValueError(f"{flag} must be a finite number of seconds > 0, not {seconds}")
+            if seconds is not None and not 0 < seconds <= MAX_TIMEOUT_S:
+                raise ValueError(
+                    f"{flag} must be a finite number of seconds > 0 and at most "
+                    f"{MAX_TIMEOUT_S:,}, not {seconds}"
+                )
         if self.health_timeout < MIN_HEALTH_TIMEOUT_S:
             raise ValueError(
                 f"--health-timeout must be at least {MIN_HEALTH_TIMEOUT_S:g} s: the scheduler "
