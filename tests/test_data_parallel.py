@@ -217,6 +217,16 @@ def _prefix_hit_rate(tmp_path: Path, policy: str) -> float:
     return cached / prompt_tokens
 
 
+def test_log_level_warning_reaches_the_router(tmp_path: Path) -> None:
+    """vllm-router takes Rust's `warn`: given "warning", it logged 16 INFO lines at start."""
+    server = _start(tmp_path, "--log-level", "warning")
+    try:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
+    assert not re.search(r"INFO.*vllm_router", server.log()), server.log()
+
+
 def test_cache_aware_routing_hits_the_prefix_cache_more_than_round_robin(tmp_path: Path) -> None:
     """Measured on 2 cores: cache_aware 0.90 in every run (each replica serves two sessions,
     whose prefixes its pool holds), round_robin 0.39-0.59 (each replica serves every session,

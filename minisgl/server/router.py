@@ -58,7 +58,8 @@ def run_router(args: ServerArgs, replica_urls: list[str], metrics_port: int) -> 
                 if args.request_timeout is None
                 else math.ceil(args.request_timeout) + 5
             ),
-            log_level=args.log_level,
+            # Rust's level names: "warning" is not one, and it logged at info
+            log_level="warn" if args.log_level == "warning" else args.log_level,
         )
     )
 
