@@ -2,6 +2,8 @@
 the official `openai` package's completion and chat types, and vLLM's extra fields, walked one by
 one against a real server. What each honoured field does is checked by its own tests."""
 
+import re
+
 import openai.types.chat.completion_create_params as chat_params
 import openai.types.completion_create_params as completion_params
 import orjson
@@ -247,5 +249,11 @@ def test_choices_that_would_carry_too_many_params_are_a_400(server: ServerProces
         "stop_token_ids": list(range(1024)), "logit_bias": {str(i): 1.0 for i in range(1024)},
     }  # fmt: skip
     response = server.post("/v1/completions", json=body)
-    assert response.status_code == 400 and "MiB of sampling parameters" in response.text
+    assert response.status_code == 400, response.text
+    # in bytes, as the flag: "0 MiB; at most 0 MiB" was the message under a 1 MiB limit
+    assert re.search(
+        r"would carry [\d,]{9,} bytes of sampling parameters to the engine; at most [\d,]+ "
+        r"\(--max-params-bytes\)",
+        response.json()["error"]["message"],
+    ), response.text
     assert server.post("/v1/completions", json=BASE["/v1/completions"]).status_code == 200

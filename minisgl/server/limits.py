@@ -73,7 +73,7 @@ class RequestLimits:
         if carried > self.max_params_bytes:
             raise ApiError(
                 400,
-                f"{num_prompts} prompts x n {n} would carry {carried / 2**20:.0f} MiB of sampling "
-                f"parameters to the engine; at most {self.max_params_bytes / 2**20:.0f} MiB: send "
-                "fewer prompts or choices, or shorter stop lists",
+                f"{num_prompts} prompts x n {n} would carry {carried:,} bytes of sampling "
+                f"parameters to the engine; at most {self.max_params_bytes:,} (--max-params-bytes): "
+                "send fewer prompts or choices, or shorter stop lists",
             )
