@@ -138,12 +138,13 @@ def test_a_settings_error_names_the_flags_but_not_inside_a_file_name(tmp_path: P
         (["--structured-outputs-in-reasoning"], "--structured-outputs-in-reasoning needs --reas"),
         (["--dist-init-addr", "127.0.0.1:29500"], "--dist-init-addr is where TP ranks meet"),
         (["--gpu-memory-utilization", "0.5", "--max-kv-tokens", "4096"], "would size: give one"),
+        (["--tp", "2", "--nnodes", "2", "--node-rank", "1", "--shell"], "--shell chats with node"),
     ],
 )
 def test_an_option_that_would_change_nothing_is_refused(flags: list[str], message: str) -> None:
     """Each was accepted and ignored: a router policy with no replicas, a grammar held over a
     thinking no parser finds, a meeting address for one rank, a share of memory beside a fixed
-    KV cache."""
+    KV cache, a shell on a node that serves no API."""
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_args(["--device", "cpu", *flags])
 

@@ -91,6 +91,10 @@ class ServerArgs:
         nnodes = self.engine.nnodes
         if not 0 <= self.node_rank < nnodes:
             raise ValueError(f"--node-rank must be in 0-{nnodes - 1}, not {self.node_rank}")
+        if self.shell and self.node_rank > 0:
+            raise ValueError(
+                "--shell chats with node 0's API: a node of --node-rank > 0 serves none"
+            )
         if self.dist_init_addr is None:
             if nnodes > 1:
                 raise ValueError(f"--nnodes {nnodes} needs --dist-init-addr HOST:PORT (node 0's)")
