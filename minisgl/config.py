@@ -140,6 +140,17 @@ def kv_pages(kv_tokens: int, page_size: int) -> int:
     return -(-kv_tokens // page_size)
 
 
+def check_table_size(max_running_requests: int, page_size: int, seq_len: int) -> None:
+    """Raise ConfigError unless the page and token tables (a row per running request and one
+    for padding, a column per token of the longest request) index with int32 entries."""
+    width = max(-(-seq_len // page_size) * page_size, seq_len)
+    if (max_running_requests + 1) * width >= 2**31:
+        raise ConfigError(
+            f"max_running_requests {max_running_requests} x a context of {width} tokens is past "
+            "the page and token tables' int32 entries: lower max_running_requests or max_model_len"
+        )
+
+
 def check_kv_capacity(num_pages: int, page_size: int, seq_len: int) -> None:
     """Raise ConfigError unless a KV cache of num_pages pages holds one request of seq_len
     tokens."""

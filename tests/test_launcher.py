@@ -75,6 +75,10 @@ def _model_dir(
         (["--device", "cpu", "--shutdown-timeout", "inf"], "--shutdown-timeout must be a finite"),
         (["--device", "cpu", "--request-timeout", "nan"], "--request-timeout must be a finite"),
         (["--device", "cpu", "--shutdown-timeout", "3e6"], "and at most 1,000,000, not 3000000"),
+        (  # it failed in the scheduler, once the weights and the KV cache were built
+            ["--device", "cpu", "--max-running-requests", "100000000"],
+            "int32 entries: lower --max-running-requests or --max-model-len",
+        ),
         # the offline LLM's field names were the messages' words
         (["--device", "cpu", "--max-model-len", "0"], "--max-model-len must be an integer >= 1"),
         (["--device", "cpu", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization must be"),

@@ -19,7 +19,14 @@ import torch.distributed as dist
 
 from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.attention.base import AttentionBackend
-from minisgl.config import ConfigError, EngineConfig, check_kv_capacity, kv_pages, max_seq_len
+from minisgl.config import (
+    ConfigError,
+    EngineConfig,
+    check_kv_capacity,
+    check_table_size,
+    kv_pages,
+    max_seq_len,
+)
 from minisgl.core import Batch, BatchInputs, EngineLayout
 from minisgl.distributed import broadcast, set_tp_info
 from minisgl.kernel import sample_tokens
@@ -191,8 +198,7 @@ class Engine:
         rows = self.config.max_running_requests + 1  # the last row: padding request / sink
         page_size = self.config.page_size
         width = -(-seq_len // page_size) * page_size
-        if rows * max(width, seq_len) >= 2**31:
-            raise ConfigError("the page and token tables need int32 entries: fewer slots or tokens")
+        check_table_size(rows - 1, page_size, seq_len)
         self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
         self.page_table[-1] = self.pool.dummy_loc
         self.token_table = torch.zeros((rows, seq_len), dtype=torch.int32, device=self.device)

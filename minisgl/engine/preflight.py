@@ -4,7 +4,14 @@ only the engine can know (whether the KV cache fits in the memory left after the
 when it builds, in one line too."""
 
 from minisgl.attention import ATTENTION_BACKENDS
-from minisgl.config import ConfigError, EngineConfig, check_kv_capacity, kv_pages, max_seq_len
+from minisgl.config import (
+    ConfigError,
+    EngineConfig,
+    check_kv_capacity,
+    check_table_size,
+    kv_pages,
+    max_seq_len,
+)
 from minisgl.models.config import ModelConfig
 from minisgl.models.weights import scan_checkpoint
 from minisgl.moe import MOE_BACKENDS
@@ -26,6 +33,7 @@ def check_engine_config(config: EngineConfig) -> ModelConfig:
         raise ConfigError(f"{path}/config.json cannot be read: {e}") from None
     model.check_tp(config.tp_size)
     seq_len = max_seq_len(config, model.max_position_embeddings)
+    check_table_size(config.max_running_requests, config.page_size, seq_len)
     if config.max_kv_tokens is not None:
         check_kv_capacity(
             kv_pages(config.max_kv_tokens, config.page_size), config.page_size, seq_len
