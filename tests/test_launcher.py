@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,8 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minisgl.server.cli import main, parse_args
-from minisgl.server.launch import _base_url
+from minisgl.server.launch import _base_url, _start_into, _Stop
 from minisgl.utils import DEFAULT_MODEL_PATH
+from minisgl.utils.process import start_child
 from minisgl.utils.torch_utils import resolve_dtype
 
 from .conftest import TOKENIZER_FILES
@@ -297,6 +299,43 @@ def test_a_process_that_exits_now_exits_with_its_code_even_if_its_stdout_is_clos
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert done.returncode == 3, done.stderr
+
+
+def test_a_stop_signal_as_a_child_starts_waits_until_the_launcher_holds_the_child() -> None:
+    """CI: a SIGTERM landing between a child's start and its place in the launcher's list left a
+    child no stop joined, alive after the launcher had exited. The signal is raised here as
+    start_child returns (a profile hook)."""
+
+    def raise_at_return(frame: Any, event: str, arg: Any) -> None:
+        if event == "return" and frame.f_code is start_child.__code__:
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGTERM)
+
+    def stop(signum: int, frame: Any) -> None:  # as the launcher's handler
+        raise _Stop
+
+    def spawned() -> set[int]:  # multiprocessing's children, not its resource tracker
+        return {
+            pid for pid in children(os.getpid())
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        }  # fmt: skip
+
+    before = spawned()
+    procs: list = []
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        sys.setprofile(raise_at_return)
+        with pytest.raises(_Stop):
+            _start_into(procs, "probe", "time:sleep", 60)
+    finally:
+        sys.setprofile(None)
+        signal.signal(signal.SIGTERM, previous)
+        started = spawned() - before
+        for pid in started:
+            os.kill(pid, signal.SIGKILL)
+    assert [proc.pid for proc in procs] == list(started)
+    for proc in procs:
+        proc.join(10)
 
 
 def test_a_stop_while_the_server_starts_ends_it_at_once() -> None:

@@ -54,10 +54,12 @@ from .shell import run_shell
 
 _STOP_TIMEOUT_S = 5.0
 _REPLICA_HOST = "127.0.0.1"  # --dp's replicas listen here, behind the router
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Stop(Exception):
-    """Raised in the launcher by SIGTERM or SIGHUP (SIGINT raises KeyboardInterrupt)."""
+    """Raised in the launcher by SIGTERM or SIGHUP (SIGINT raises KeyboardInterrupt), and by any of
+    the three held while a child starts (`_start_into`)."""
 
 
 def _say(text: str) -> None:
@@ -129,7 +131,29 @@ def _start(
         children.append(("api-server", "minisgl.server.api_server:run_api_server", api_args))
     setup = None if placement is None else placement.apply
     for name, target, target_args in children:
-        procs.append(start_child(prefix + name, target, *target_args, setup=setup))
+        _start_into(procs, prefix + name, target, *target_args, setup=setup)
+
+
+def _start_into(
+    procs: list[BaseProcess],
+    name: str,
+    target: str,
+    *args: Any,
+    setup: Callable[[], None] | None = None,
+) -> None:
+    """Start a child and add it to `procs`, holding a stop signal meanwhile: one that landed
+    between the two left a child no stop joined (CI: alive after the launcher had exited), and
+    one multiprocessing knew of would hang the launcher's exit (its exit handler joins a daemonic
+    child after a SIGTERM that ours ignore)."""
+    held: list[int] = []
+    handlers = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in _STOP_SIGNALS}
+    try:
+        procs.append(start_child(name, target, *args, setup=setup))
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    if held:
+        raise _Stop
 
 
 def _follow(args: ServerArgs, procs: list[BaseProcess]) -> int:
@@ -175,9 +199,7 @@ def _start_data_parallel(
     for url in urls:
         _wait_ready(url + "/health", _flat(replicas))
     _router_bypasses_proxies()
-    router.append(
-        start_child("router", "minisgl.server.router:run_router", args, urls, metrics_port)
-    )
+    _start_into(router, "router", "minisgl.server.router:run_router", args, urls, metrics_port)
 
     def all_healthy(body: bytes) -> bool:  # vllm-router's /readiness
         return json.loads(body)["healthy_workers"] == args.dp_size
@@ -362,7 +384,7 @@ def launch(args: ServerArgs) -> int:
         broken = True
         return 1
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for signum in _STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         procs = [*_flat(servers), *router]
         if stopping and serving:  # the API servers and the router drain on SIGTERM: they answer
