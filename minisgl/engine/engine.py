@@ -195,10 +195,10 @@ class Engine:
         )  # fmt: skip
 
     def _build_tables(self, seq_len: int) -> None:
+        check_table_size(self.config.max_running_requests, self.config.page_size, seq_len)
         rows = self.config.max_running_requests + 1  # the last row: padding request / sink
         page_size = self.config.page_size
         width = -(-seq_len // page_size) * page_size
-        check_table_size(rows - 1, page_size, seq_len)
         self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
         self.page_table[-1] = self.pool.dummy_loc
         self.token_table = torch.zeros((rows, seq_len), dtype=torch.int32, device=self.device)
