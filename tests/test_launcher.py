@@ -85,6 +85,8 @@ def _model_dir(
         (["--device", "cpu", "--max-model-len", "0"], "--max-model-len must be an integer >= 1"),
         (["--device", "cpu", "--gpu-memory-utilization", "2"], "--gpu-memory-utilization must be"),
         (["--device", "cpu", "--tp", "0"], "--tp must be an integer >= 1"),
+        # every request was refused with a 400, and nothing said so at start
+        (["--device", "cpu", "--max-params-bytes", "100"], "--max-params-bytes must be at least"),
         (["--device", "cpu", "--grammar-timeout", "0"], "--grammar-timeout must be a number of"),
         (["--device", "cpu", "--grammar-timeout", "nan"], "--grammar-timeout must be a number of"),
         (["--device", "cpu", "--health-timeout", "0.3"], "--health-timeout must be at least 1 s"),

@@ -3,7 +3,7 @@ others bound the work one request can make the server do before anything is gene
 
 from dataclasses import dataclass
 
-from minisgl.config import check_positive
+from minisgl.config import ConfigError, check_positive
 from minisgl.core import SamplingParams
 from minisgl.messages import encode
 
@@ -35,6 +35,12 @@ class RequestLimits:
             "max_prompt_logprobs",
         )  # fmt: skip
         check_positive(self, "max_queued_requests", optional=True)
+        least = len(encode(SamplingParams()))
+        if self.max_params_bytes < least:
+            raise ConfigError(
+                f"max_params_bytes must be at least {least}, the bytes of one choice's default "
+                f"sampling parameters, not {self.max_params_bytes}: every request would be refused"
+            )
 
     def check(self, n: int, num_prompts: int, params: SamplingParams) -> None:
         """Raise ApiError(400), naming the field, for a request over a limit."""
