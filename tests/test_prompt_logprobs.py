@@ -13,7 +13,7 @@ from minisgl.scheduler.scheduler import PROMPT_LOGPROBS_CHUNK
 from minisgl.tokenizer.loader import load_tokenizer
 from minisgl.utils import DEFAULT_MODEL_PATH
 
-from .conftest import DEVICE, hf_model
+from .conftest import DEVICE, hf_model, save_random_checkpoint
 from .server_process import ServerProcess
 from .stress.checks import assert_openai_error
 
@@ -341,3 +341,16 @@ def test_a_prompts_choices_share_its_prompt_logprobs_on_the_server(
             assert got["token_logprobs"][: len(prompt)] == pytest.approx(
                 expected["token_logprobs"][: len(prompt)], abs=1e-5
             )
+
+
+def test_more_likeliest_tokens_than_the_vocabulary_has_are_all_of_them(tmp_path) -> None:
+    """logprobs and prompt_logprobs 20 (the most allowed) of a 16-token vocabulary: each
+    position lists all 16. The step had raised a RuntimeError (torch.topk past the vocabulary)."""
+    path = save_random_checkpoint(tmp_path / "v16", vocab_size=16)
+    llm = LLM(str(path), device=DEVICE, dtype="float32", max_kv_tokens=512, max_model_len=512)
+    params = SamplingParams(max_tokens=3, logprobs=20, prompt_logprobs=20, ignore_eos=True)
+    [result] = llm.generate([[3, 5, 7, 11]], params, use_tqdm=False)
+    assert len(result["token_ids"]) == 3
+    assert [len(t["top_logprobs"]) for t in result["logprobs"]] == [16] * 3
+    assert [len(t["top_logprobs"]) for t in result["prompt_logprobs"][1:]] == [16] * 3
+    llm.scheduler.check_integrity()

@@ -103,7 +103,7 @@ def token_logprobs(
     """(log p(tokens[i]) under row i's logits, the ids and logprobs of its num_top likeliest,
     with `ranks` tokens[i]'s rank: how many tokens are at least as likely, as vLLM counts)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top = logprobs.topk(num_top, dim=-1)
+    top = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)  # a vocabulary under 20 tokens
     chosen = logprobs.gather(1, tokens[:, None].long())[:, 0]
     rank = (logprobs >= chosen[:, None]).sum(dim=-1) if ranks else None
     return chosen, top.indices.to(torch.int32), top.values, rank
