@@ -163,6 +163,68 @@ def test_release_after_reuse_frees_only_private_pages() -> None:
     assert len(kv.prefix_cache.cached_pages()) == 4 and kv.allocator.num_free == 4
 
 
+def test_a_prompt_computed_twice_in_one_step_is_held_once_from_the_next() -> None:
+    """Two slots compute one prompt in one batch: the second to publish it keeps its own pages
+    until the next step, then moves to the cached copy and frees its own."""
+    kv = make_manager()
+    ids = [1, 2, 3, 4, 5]
+    for slot in (0, 1):
+        kv.admit(slot, [])
+        assert kv.reserve(slot, 5)  # 3 pages each
+    kv.take_page_writes()
+    for slot in (0, 1):
+        kv.cache_prefix(slot, ids)  # as the batch is built: two whole pages each
+    first, second = list(kv._pages[0]), list(kv._pages[1])
+    assert not set(first) & set(second) and kv.allocator.num_free == 2
+    kv.check_integrity()
+    kv.move_duplicates()
+    assert kv._pages[1] == first[:2] + second[2:] and kv.allocator.num_free == 4
+    entries, locs = kv.take_page_writes()  # the second slot's row points at the cached pages
+    assert entries.tolist() == [32, 33, 34, 35]
+    assert [loc // 2 for loc in locs.tolist()] == [first[0]] * 2 + [first[1]] * 2
+    kv.check_integrity()
+    for slot in (0, 1):
+        kv.release(slot, ids)
+    kv.check_idle_counts()
+    assert kv.allocator.num_free == 6 and len(kv.prefix_cache.cached_pages()) == 2
+
+
+def test_a_slot_released_before_the_move_frees_its_own_copy() -> None:
+    kv = make_manager()
+    ids = [1, 2, 3, 4]
+    for slot in (0, 1):
+        kv.admit(slot, [])
+        assert kv.reserve(slot, 4)
+        kv.cache_prefix(slot, ids)
+    kv.release(1, ids)  # preempted or ended before the next step: its moves are void
+    kv.move_duplicates()
+    kv.check_integrity()
+    kv.release(0, ids)
+    kv.check_idle_counts()
+    assert kv.allocator.num_free == 6
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_two_requests_with_one_prompt_fit_a_pool_of_one_copy(overlap: bool) -> None:
+    """8 pages of 16: a 48-token prompt twice in one step, the second request growing to 118
+    tokens. It had been preempted once: the first's copy of the prompt stayed locked beside
+    its own until it ended."""
+    llm = LLM(
+        device=DEVICE, dtype="float32", max_kv_tokens=128, page_size=16, max_model_len=128,
+        overlap=overlap,
+    )  # fmt: skip
+    prompt = list(range(1, 49))
+    short, long = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 70))
+    both = llm.generate([prompt, prompt], [short, long], use_tqdm=False)
+    assert llm.scheduler.stats.num_preemptions == 0
+    llm.scheduler.check_integrity()
+    alone = llm.generate([prompt], long, use_tqdm=False)
+    assert both[1]["token_ids"] == alone[0]["token_ids"]
+    llm.scheduler.kv.flush_prefix_cache()
+    llm.scheduler.kv.check_idle_counts()
+    assert llm.scheduler.kv.allocator.num_free == 8
+
+
 def test_reserve_evicts_unlocked_prefixes_when_short() -> None:
     kv = make_manager(num_pages=4)
     kv.admit(0, [])
@@ -205,7 +267,7 @@ def test_a_page_freed_twice_fails_at_once_and_changes_nothing() -> None:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["admit", "grow", "cache", "release", "flush"]),
+            st.sampled_from(["admit", "grow", "cache", "move", "release", "flush"]),
             st.integers(0, 3),  # the slot
             st.lists(st.integers(0, 2), min_size=1, max_size=10),  # few ids: shared prefixes
         ),
@@ -213,8 +275,8 @@ def test_a_page_freed_twice_fails_at_once_and_changes_nothing() -> None:
     )
 )
 def test_any_sequence_of_slot_operations_keeps_the_accounting(ops) -> None:
-    """Four slots over 16 pages of 2: prefix hits, duplicate inserts, evictions under pressure
-    and refused reservations; after every operation each page is exactly one of free, cached or
+    """Four slots over 16 pages of 2: prefix hits, duplicate inserts and the moves to the
+    cached copy, evictions under pressure and refused reservations; after every operation each page is exactly one of free, cached or
     held (a page freed twice would raise at once), and at the end nothing has leaked."""
     kv = make_manager(num_pages=16)
     computed: dict[int, list[int]] = {}  # slot -> the ids its pages cover
@@ -229,6 +291,8 @@ def test_any_sequence_of_slot_operations_keeps_the_accounting(ops) -> None:
             computed[slot] += ids
         elif op == "cache" and slot in computed:
             kv.cache_prefix(slot, computed[slot])
+        elif op == "move":
+            kv.move_duplicates()
         elif op == "release" and slot in computed:
             kv.release(slot, computed.pop(slot))
         elif op == "flush":

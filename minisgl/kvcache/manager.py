@@ -29,6 +29,9 @@ class KVCacheManager:
         # assigned since the last take_page_writes: (slot, index of the first page in the slot,
         # the pages)
         self._pending: list[tuple[int, int, list[int]]] = []
+        # (slot, page index) -> the cached page: a slot's page that another slot published
+        # first, to be replaced by the cached copy once the batch computing it has gone out
+        self._moves: dict[tuple[int, int], int] = {}
         self._offsets = np.arange(page_size)  # a page's token offsets
 
     # ------------------------------------------------------------------ capacity
@@ -86,13 +89,32 @@ class KVCacheManager:
         return True
 
     def cache_prefix(self, slot: int, ids: Sequence[int]) -> None:
-        """Publish the slot's computed whole pages of `ids` to the prefix cache while the request
-        keeps running (so later requests can share them); the slot keeps its own pages."""
+        """Publish the slot's whole pages of `ids` to the prefix cache as the batch that computes
+        them is built (so later requests can share them). Pages that the cache holds already
+        (requests with one prompt computed together: a request's n choices) are moved to the
+        cached copy by the next `move_duplicates`: until this batch has gone out, its own copy
+        is the one it writes."""
         num = len(ids) // self.page_size
-        handle, _ = self.prefix_cache.insert(ids[: num * self.page_size], self._pages[slot][:num])
+        prefix = ids[: num * self.page_size]
+        handle, duplicates = self.prefix_cache.insert(prefix, self._pages[slot][:num])
         self.prefix_cache.lock(handle)
         self.prefix_cache.unlock(self._handles[slot])
         self._handles[slot] = handle
+        if duplicates:
+            _, cached = self.prefix_cache.match(prefix)  # locked by the handle until release
+            own = self._pages[slot]
+            self._moves |= {(slot, i): page for i, page in enumerate(cached) if own[i] != page}
+
+    def move_duplicates(self) -> None:
+        """Before a step's first allocation: each slot's pages that `cache_prefix` found cached
+        already now point at the cached copy (the same KV), and its own copy is free. Its old
+        entries were read by batches already launched; a later one that reuses the page runs
+        after them."""
+        for (slot, i), page in self._moves.items():
+            self.allocator.free([self._pages[slot][i]])
+            self._pages[slot][i] = page
+            self._pending.append((slot, i, [page]))
+        self._moves = {}
 
     def release(self, slot: int, ids: Sequence[int]) -> None:
         """Give up every page of the slot; whole pages of `ids` (tokens with computed KV) stay in
@@ -106,6 +128,7 @@ class KVCacheManager:
         self.allocator.free(duplicates + pages[num:])
         # entries not yet written are void, and the slot's next owner assigns the same positions
         self._pending = [run for run in self._pending if run[0] != slot]
+        self._moves = {key: page for key, page in self._moves.items() if key[0] != slot}
 
     def flush_prefix_cache(self) -> None:
         """Evict every cached page no live request holds."""
@@ -119,7 +142,8 @@ class KVCacheManager:
     def take_page_writes(self) -> tuple[np.ndarray, np.ndarray]:
         """The page-table writes for every page assigned since the last call: (flat entry of
         the [slots + 1, table_width] table, pool location), int64 arrays. No entry appears twice:
-        a slot only grows until it is released, which drops its pending entries."""
+        a slot only grows until it is released, which drops its pending entries, and a move
+        rewrites only entries that an earlier batch took."""
         runs, self._pending = self._pending, []
         ps, width = self.page_size, self.table_width
         # a run's pages cover consecutive positions of one row: a range of the flattened table

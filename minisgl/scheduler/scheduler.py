@@ -378,6 +378,7 @@ class Scheduler:
         )
 
     def _schedule(self) -> Batch | None:
+        self.kv.move_duplicates()
         picked: list[tuple[Req, int]] = []
         preempted: set[Req] = set()
         # 1. decodes first, so they never starve behind prefills
