@@ -298,6 +298,8 @@ def test_any_sequence_of_slot_operations_keeps_the_accounting(ops) -> None:
         elif op == "flush":
             kv.flush_prefix_cache()
         kv.check_integrity()
+        entries, _ = kv.take_page_writes()  # as each batch takes them: one write an entry
+        assert np.unique(entries).size == entries.size
     for slot in list(computed):
         kv.release(slot, computed.pop(slot))
     kv.flush_prefix_cache()  # nothing leaked: every page free again

@@ -110,10 +110,18 @@ class KVCacheManager:
         already now point at the cached copy (the same KV), and its own copy is free. Its old
         entries were read by batches already launched; a later one that reuses the page runs
         after them."""
-        for (slot, i), page in self._moves.items():
-            self.allocator.free([self._pages[slot][i]])
+        own: list[int] = []
+        runs: list[tuple[int, int, list[int]]] = []
+        for (slot, i), page in self._moves.items():  # a slot's in ascending order
+            own.append(self._pages[slot][i])
             self._pages[slot][i] = page
-            self._pending.append((slot, i, [page]))
+            if runs and runs[-1][0] == slot and runs[-1][1] + len(runs[-1][2]) == i:
+                runs[-1][2].append(page)  # the next page of the run
+            else:
+                runs.append((slot, i, [page]))
+        # one call and a run per stretch: a long prompt at page size 1 moves thousands of pages
+        self.allocator.free(own)
+        self._pending += runs
         self._moves = {}
 
     def release(self, slot: int, ids: Sequence[int]) -> None:
