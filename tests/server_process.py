@@ -73,6 +73,17 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def spawned_children(pid: int) -> list[int]:
+    """`pid`'s children that multiprocessing spawned (minisgl's), not its resource tracker,
+    which leaves a moment after its parent."""
+    out = []
+    for child in children(pid):
+        with contextlib.suppress(OSError):  # exited since
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(child)
+    return out
+
+
 def process_name(pid: int) -> str:
     """The name a process goes by (its /proc/<pid>/comm): minisgl names each child."""
     return Path(f"/proc/{pid}/comm").read_text().strip()
