@@ -140,11 +140,16 @@ def kv_pages(kv_tokens: int, page_size: int) -> int:
     return -(-kv_tokens // page_size)
 
 
+def page_table_width(seq_len: int, page_size: int) -> int:
+    """The page table's columns: a token of the longest request each, in whole pages."""
+    return kv_pages(seq_len, page_size) * page_size
+
+
 def check_table_size(max_running_requests: int, page_size: int, seq_len: int) -> None:
     """Raise ConfigError unless the page and token tables (a row per running request and one
     for padding, a column per token of the longest request, in whole pages) index with int32
     entries."""
-    width = -(-seq_len // page_size) * page_size
+    width = page_table_width(seq_len, page_size)
     if (max_running_requests + 1) * width >= 2**31:
         raise ConfigError(
             f"max_running_requests {max_running_requests} x a context of {width} tokens is past "

@@ -26,6 +26,7 @@ from minisgl.config import (
     check_table_size,
     kv_pages,
     max_seq_len,
+    page_table_width,
 )
 from minisgl.core import Batch, BatchInputs, EngineLayout
 from minisgl.distributed import broadcast, set_tp_info
@@ -197,8 +198,7 @@ class Engine:
     def _build_tables(self, seq_len: int) -> None:
         check_table_size(self.config.max_running_requests, self.config.page_size, seq_len)
         rows = self.config.max_running_requests + 1  # the last row: padding request / sink
-        page_size = self.config.page_size
-        width = -(-seq_len // page_size) * page_size
+        width = page_table_width(seq_len, self.config.page_size)
         self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
         self.page_table[-1] = self.pool.dummy_loc
         self.token_table = torch.zeros((rows, seq_len), dtype=torch.int32, device=self.device)
