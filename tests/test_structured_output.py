@@ -989,18 +989,21 @@ def test_an_abandoned_compile_that_has_not_begun_is_dropped() -> None:
     grammars = Grammars(DEFAULT_MODEL_PATH, 512, [])
     grammars.compile(StructuredOutput(regex="warm")).result()  # the compiler
 
-    def schema(i: int) -> StructuredOutput:  # ~0.2 s each with the embedded model's vocabulary
-        properties = {f"p{i}-{j}": {"type": "string"} for j in range(600)}
+    def schema(i: int, size: int) -> StructuredOutput:  # 600 properties: ~0.2 s to compile
+        properties = {f"p{i}-{j}": {"type": "string"} for j in range(size)}
         return StructuredOutput(json_schema={"type": "object", "properties": properties})
 
-    # four compiles take the four threads; two wait behind them
-    compiles = [grammars.compile(schema(i)) for i in range(6)]
-    grammars.abandon(schema(4), compiles[4])
-    grammars.abandon(schema(0), compiles[0])
+    # four compiles take the four threads, long enough that none ends before the abandons (CI
+    # once stalled this thread past a 0.2 s compile; 1,000 properties: 5.9 s for the test on a
+    # 2-core CPU); two wait behind them
+    specs = [schema(i, 1000 if i < 4 else 600) for i in range(6)]
+    compiles = [grammars.compile(spec) for spec in specs]
+    grammars.abandon(specs[4], compiles[4])
+    grammars.abandon(specs[0], compiles[0])
     assert compiles[4].cancelled() and not compiles[0].cancelled()
-    again = grammars.compile(schema(4))
+    again = grammars.compile(specs[4])
     assert again is not compiles[4]
-    assert grammars.compile(schema(0)) is compiles[0]
+    assert grammars.compile(specs[0]) is compiles[0]
     for future in (*compiles[:4], compiles[5], again):
         future.result()
 
