@@ -42,15 +42,17 @@ def make_routing(tokens: int, experts: int, top_k: int, used: int | None = None)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize(
-    ("tokens", "experts", "top_k"), [(1, 4, 1), (5, 8, 2), (3, 60, 8), (2, 128, 8)]
+    ("tokens", "experts", "top_k"), [(1, 4, 1), (1, 128, 8), (5, 8, 2), (3, 60, 8), (2, 128, 8)]
 )
 def test_fused_router_chooses_the_experts_torch_chooses(
     tokens: int, experts: int, top_k: int, renormalize: bool, dtype: torch.dtype
 ) -> None:
+    """One token on a Hopper: also warming the chosen experts' gate/up rows into L2."""
     torch.manual_seed(experts)
     logits = (3 * torch.randn(tokens, experts, device=DEVICE)).to(dtype)
     want_weights, want_ids = torch_ops.moe_route(logits, top_k, renormalize)
-    weights, ids = moe_route(logits, top_k, renormalize)
+    gate_up = torch.zeros(experts, 2 * INTER, HIDDEN, dtype=dtype, device=DEVICE)
+    weights, ids = moe_route(logits, top_k, renormalize, warm=gate_up)
     # the same k largest logits in the same order; experts of equal logits (bf16 has few values)
     # may come in either order, as torch's CUDA top-k leaves them
     assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
@@ -128,12 +130,14 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("tokens", "experts", "top_k"), [(1, 4, 1), (3, 8, 2), (2, 8, 8), (_GEMV_MAX_TOKENS, 16, 2)]
+    ("tokens", "experts", "top_k"),
+    [(1, 4, 1), (1, 8, 4), (3, 8, 2), (2, 8, 8), (_GEMV_MAX_TOKENS, 16, 2)],
 )
 def test_gemv_path_of_a_few_tokens_equals_torch(
     tokens: int, experts: int, top_k: int, dtype: torch.dtype
 ) -> None:
-    """inter 18: a partial last block of features and of K (a program per pair and 4 features)."""
+    """inter 18: a partial last block of features and of K (a program per pair and 4 features);
+    one token of top-4: the down kernel's first experts as a block (fused_moe._EARLY_EXPERTS)."""
     got, want, _ = run_both(tokens, experts, top_k, dtype, tile=None, inter=18)
     assert_close(got, want, dtype)
 

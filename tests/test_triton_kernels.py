@@ -651,9 +651,11 @@ def test_dispatched_norm_and_gated_matmuls_equal_the_unfused_ops(rows):
     y, new_residual = kernel.rmsnorm_linear(x.clone(), residual.clone(), norm_weight, 1e-6, weight)
     assert torch.equal(new_residual, summed)
     assert_close(y, want, (5e-2, ATTENTION_TOL[dtype][1]))
-    # a MoE layer's router: the normed rows as well, which its experts read
+    # a MoE layer's router: the normed rows as well, which its experts read; on a Hopper, at one
+    # row, warming the next layer's weight into L2 meanwhile
+    next_weight = randn(640, 256, dtype=dtype)
     h, y, new_residual = kernel.add_rmsnorm_linear(
-        x.clone(), residual.clone(), norm_weight, 1e-6, weight
+        x.clone(), residual.clone(), norm_weight, 1e-6, weight, warm=next_weight
     )
     assert torch.equal(new_residual, summed)
     assert_close(h, torch_ops.rmsnorm(summed, norm_weight, 1e-6), ELEMENTWISE_TOL[dtype])

@@ -174,11 +174,13 @@ def add_rmsnorm_linear(
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,
+    warm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h, linear(h), the new residual x + residual), h = rmsnorm(x + residual): for a MoE layer,
     whose router and experts both read h. Where the GEMV serves, its kernel computes all three
-    (one launch less than the norm's kernel and the matmul's); else as fused_add_rmsnorm (in
-    place, x may be linear_split_k's partial sums) and linear."""
+    (one launch less than the norm's kernel and the matmul's), and pulls `warm` (a later
+    kernel's weight) into L2 at one row; else as fused_add_rmsnorm (in place, x may be
+    linear_split_k's partial sums) and linear."""
     ops = _gemv_ops(x, weight)
     if ops is None:
         h = fused_add_rmsnorm(x, residual, norm_weight, eps)
@@ -186,7 +188,7 @@ def add_rmsnorm_linear(
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
     prologue = ops.Prologue(norm_weight, eps, residual, new_residual, h)
-    return h, ops.linear(x, weight, prologue=prologue), new_residual
+    return h, ops.linear(x, weight, prologue=prologue, warm=warm), new_residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -196,11 +198,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def moe_route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, warm: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, expert ids) [tokens, top_k] of each token's top-k experts by the softmax over
-    them, the weights rescaled to sum to 1 when `renormalize`; computed in fp32."""
-    return _ops_for(router_logits).moe_route(router_logits, top_k, renormalize)
+    them, the weights rescaled to sum to 1 when `renormalize`; computed in fp32. warm: the
+    experts' gate/up weights, which the Triton kernel may start pulling into L2 (its docs)."""
+    ops = _ops_for(router_logits)
+    if ops is torch_ops:
+        return ops.moe_route(router_logits, top_k, renormalize)
+    return ops.moe_route(router_logits, top_k, renormalize, warm)
 
 
 def sample_tokens(

@@ -51,14 +51,20 @@ class SparseMLP(BaseOP):
         self._tp_size = get_tp_info().size
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor, input_norm: RMSNorm
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        input_norm: RMSNorm,
+        next_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts' output for norm(x + residual) and the new residual, x + residual."""
+        """The experts' output for norm(x + residual) and the new residual, x + residual.
+        next_weight: the next layer's first matmul's, which the router's matmul may pull into
+        L2 (add_rmsnorm_linear's `warm`)."""
         x, logits, residual = add_rmsnorm_linear(
-            x, residual, input_norm.weight, input_norm.eps, self.gate.weight
+            x, residual, input_norm.weight, input_norm.eps, self.gate.weight, next_weight
         )
-        routing = Routing(*moe_route(logits, self._top_k, self._renormalize))
-        record_routing(routing.ids, self.gate.weight.shape[0])
         experts = self.experts
+        routing = Routing(*moe_route(logits, self._top_k, self._renormalize, experts.gate_up_proj))
+        record_routing(routing.ids, self.gate.weight.shape[0])
         out = self._backend.forward(x, experts.gate_up_proj, experts.down_proj, routing)
         return (out if self._tp_size == 1 else all_reduce(out)), residual

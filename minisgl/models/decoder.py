@@ -86,10 +86,14 @@ class DecoderLayer(BaseOP):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None, next_qkv: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """next_qkv: the next layer's QKV weight (None for the last), which a sparse MLP's
+        router pulls into L2 while it waits on latency."""
         # each block's input norm runs in its first projection: one kernel for a tiny batch
         x, residual = self.self_attn.forward(x, residual, self.input_layernorm)
+        if isinstance(self.mlp, SparseMLP):
+            return self.mlp.forward(x, residual, self.post_attention_layernorm, next_qkv)
         return self.mlp.forward(x, residual, self.post_attention_layernorm)
 
 
@@ -107,8 +111,10 @@ class DecoderModel(BaseOP):
         residual stream, before the final norm."""
         x = self.embed_tokens.forward(input_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer.forward(x, residual)
+        layers = list(self.layers)
+        next_qkvs = [layer.self_attn.qkv_proj.weight for layer in layers[1:]] + [None]
+        for layer, next_qkv in zip(layers, next_qkvs, strict=True):
+            x, residual = layer.forward(x, residual, next_qkv)
         assert residual is not None
         return x, residual
 

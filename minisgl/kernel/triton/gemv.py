@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_and_mul_rounded
+from .l2_warm import warm_args, warm_l2
 from .norm import add_rounded, rms_scaled
 from .pdl import pdl_args, wait_for_previous
 
@@ -67,11 +68,12 @@ def _input_chunk(
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, residual_ptr, residual_out_ptr, norm_w_ptr, normed_out_ptr, eps,
-    N, K, stride_x, stride_w, stride_y, stride_residual,
+    N, K, stride_x, stride_w, stride_y, stride_residual, warm_ptr, warm_bytes,
     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORMED_OUT: tl.constexpr,
-    BLOCK_ROW: tl.constexpr, W_EVICTION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_ROW: tl.constexpr, W_EVICTION: tl.constexpr, WARM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    warm_l2(warm_ptr, warm_bytes, WARM)  # a weight: read before the wait (pdl.py)
     # N: output features. BLOCK_N rows of W per program; gated, rows (gate_j, up_j) alternate
     # (W_up starts N rows below W_gate) and the program writes BLOCK_N // 2 features
     r = tl.arange(0, BLOCK_N)
@@ -189,9 +191,11 @@ def linear(
     config: GemvConfig | None = None,
     prologue: Prologue = _NO_PROLOGUE,
     gated: bool = False,
+    warm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear for x of a few rows ([rows, K], last dimension contiguous), after the prologue's
-    op on x; gated: W = [W_gate; W_up] and the result is silu(x @ W_gate^T) * (x @ W_up^T)."""
+    op on x; gated: W = [W_gate; W_up] and the result is silu(x @ W_gate^T) * (x @ W_up^T);
+    warm: a later kernel's weight (contiguous), pulled into L2 at one row (l2_warm.py)."""
     rows = x.shape[0]
     w_rows, k = weight.shape
     assert weight.stride(1) == 1 and x.stride(1) == 1 and x.shape[1] == k
@@ -215,6 +219,7 @@ def linear(
         GATED=gated, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
         NORMED_OUT=normed_out is not None,
         BLOCK_ROW=triton.next_power_of_2(k) if norm is not None else 1,
-        W_EVICTION=weight_eviction(rows), num_warps=num_warps, **pdl_args(x.device),
+        W_EVICTION=weight_eviction(rows), num_warps=num_warps, **warm_args(warm, rows, x),
+        **pdl_args(x.device),
     )  # fmt: skip
     return y
