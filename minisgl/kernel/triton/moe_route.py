@@ -59,11 +59,11 @@ def _route_kernel(
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 0)  # unused slots hold 0
     warmer = tl.program_id(1) - 1
-    if not WARM or warmer < 0:
+    if warmer < 0:
         out = token * TOP_K + slots
         tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
         tl.store(ids_ptr + out, ids, mask=slots < TOP_K)
-    else:
+    elif WARM:  # a constexpr: no bulk prefetch is compiled for a device without one
         chunk = warmer // PIECES
         expert = tl.sum(tl.where(slots == chunk // 2, ids, 0), 0)
         piece = chunk_bytes // PIECES
