@@ -111,6 +111,9 @@ def create_app(args: ServerArgs, client: EngineClient, exit: Callable[[], None])
         loop.add_signal_handler(signal.SIGINT, lambda: None)
         yield
         listener.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await listener
+        client.close()
         body_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minisgl", lifespan=lifespan)

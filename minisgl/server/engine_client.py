@@ -82,6 +82,7 @@ class _Route:
     index: int
     submitted: float
     last_token: float | None = None
+    waiting: bool = True  # counted among the requests waiting for a first token
 
 
 class EngineClient:
@@ -94,7 +95,7 @@ class EngineClient:
         self._loop_age = 0.0  # the scheduler loop's, as the last heartbeat said
         self.draining = False  # shutting down: no new requests
         self._max_queued = max_queued
-        self._num_queued = 0  # submitted requests without a first token yet
+        self._num_queued = 0  # submitted requests without a first token yet, not aborted
         self._to_tokenizer = connect_push(zmq.Context(), addresses.tokenizer)
         self._inbox = bind_pull(zmq.asyncio.Context(), addresses.api)
         self._routes: dict[int, _Route] = {}
@@ -153,10 +154,18 @@ class EngineClient:
         """Stop every request of the group that has not ended; their pages are freed."""
         if group.unfinished:
             for rid in group.unfinished:
-                self._routes[rid].group = None
+                route = self._routes[rid]
+                route.group = None
+                self._stop_waiting(route)  # before the engine confirms: no 429 meanwhile
             send(self._to_tokenizer, AbortRequest(sorted(group.unfinished)))
             group.unfinished.clear()
         self._release(group)
+
+    def close(self) -> None:
+        """Close both sockets now, dropping what is unsent (after `run` has ended): a context
+        left to the garbage collector blocks the collecting thread while a socket of it is open."""
+        for socket in (self._inbox, self._to_tokenizer):
+            socket.context.destroy(linger=0)
 
     def interrupt_all(self, message: str) -> None:
         """End every open request with Interrupted (their handlers answer it) and abort them;
@@ -222,7 +231,7 @@ class EngineClient:
                 first = route.last_token is None
                 since = route.submitted if first else route.last_token
                 self.metrics.tokens_arrived(num_tokens, now - since, first)
-                self._num_queued -= first
+                self._stop_waiting(route)
                 route.last_token = now
             logprobs = None if msg.logprobs is None else msg.logprobs[i]
             prompt = None if msg.prompt_logprobs is None else msg.prompt_logprobs[i]
@@ -242,13 +251,20 @@ class EngineClient:
         route = self._routes.pop(rid, None)
         if route is None:
             return
-        self._num_queued -= route.last_token is None
+        self._stop_waiting(route)
         self._deliver(route, item)
         group = route.group
         if group is not None:
             group.unfinished.discard(rid)
             if not group.unfinished:
                 self._release(group)
+
+    def _stop_waiting(self, route: _Route) -> None:
+        """The route's request waits for a first token no more (it has one, ended, or was
+        aborted): it leaves the count that the 429 limit reads, once."""
+        if route.waiting:
+            route.waiting = False
+            self._num_queued -= 1
 
     @staticmethod
     def _deliver(route: _Route, item: Item) -> None:
