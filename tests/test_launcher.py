@@ -198,6 +198,18 @@ def test_a_kv_cache_larger_than_the_machine_fails_in_one_line() -> None:
     assert "minisgl: scheduler-0: --max-kv-tokens 1000000000000: its KV cache needs" in run.stderr
 
 
+def test_weights_larger_than_the_machine_fail_in_one_line(tmp_path: Path) -> None:
+    """The weights were allocated until torch's error (a traceback), or until the kernel's OOM
+    killer ended some process; here 3,840 GiB of dummy weights."""
+    model = _model_dir(tmp_path, weights=False, intermediate_size=2**30)
+    run = _launch("--device", "cpu", "--model", str(model), "--dummy-weights")
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert (
+        "minisgl: scheduler-0: the weights need 3840.0 GiB, more than the " in run.stderr
+        and " GiB of this machine" in run.stderr
+    ), run.stderr
+
+
 def test_the_launcher_reaches_its_own_server_under_an_http_proxy(tmp_path: Path) -> None:
     """Its start-up /health calls went to the proxy (a dead one here): it waited for good."""
     proxy = f"http://127.0.0.1:{free_port()}"

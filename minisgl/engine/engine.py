@@ -33,7 +33,7 @@ from minisgl.distributed import broadcast, set_tp_info
 from minisgl.kernel import sample_tokens
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.linear import local_kv_heads
-from minisgl.models import CausalLM, ModelConfig, load_model
+from minisgl.models import CausalLM, ModelConfig, build_model, load_model_weights, weight_bytes
 from minisgl.moe import MOE_BACKENDS
 from minisgl.utils import init_logger
 from minisgl.utils.cpus import usable_cpus
@@ -86,13 +86,13 @@ class Engine:
         self.moe_backend_name = MOE_BACKENDS.resolve(config.moe_backend, self.device.type)
         self.moe_backend = MOE_BACKENDS.get(self.moe_backend_name)()
         free_before = _free_memory(self.device)
-        self.model = load_model(
-            config.model_path, self.model_config, self.device, self.dtype, self.moe_backend,
+        self.model = build_model(self.model_config, self.device, self.dtype, self.moe_backend)
+        self.weight_bytes = weight_bytes(self.model)
+        self._check_weights_fit(free_before)
+        load_model_weights(
+            self.model, config.model_path, self.model_config, self.device, self.dtype,
             config.dummy_weights,
         )  # fmt: skip
-        self.weight_bytes = sum(
-            t.numel() * t.element_size() for t in self.model.state_dict().values()
-        )
         seq_len = max_seq_len(config, self.model_config.max_position_embeddings)
         self.pool = self._build_pool(free_before, seq_len)
         self._build_tables(seq_len)
@@ -159,6 +159,21 @@ class Engine:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ building
+    def _check_weights_fit(self, free: int) -> None:
+        """What could never fit, in one line: torch's allocation error is a traceback, and on
+        the CPU the kernel's OOM killer may end other processes first. A CPU's ranks on one
+        machine share its memory."""
+        cpu = self.device.type == "cpu"
+        ranks = self.config.ranks_per_node if cpu else 1
+        need = self.weight_bytes * ranks
+        room = _host_memory() if cpu else free
+        if need > room:
+            shares = f" ({ranks} ranks of {self.weight_bytes / 2**30:.1f} GiB)" if ranks > 1 else ""
+            raise ConfigError(
+                f"the weights need {need / 2**30:.1f} GiB{shares}, more than the "
+                f"{room / 2**30:.1f} GiB " + ("of this machine" if cpu else "free on the GPU")
+            )
+
     def _build_pool(self, free_before: int, seq_len: int) -> KVPool:
         c, mc = self.config, self.model_config
         per_token = KVPool.bytes_per_token(

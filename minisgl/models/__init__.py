@@ -12,21 +12,39 @@ from .config import ARCHITECTURES, ModelConfig
 from .decoder import CausalLM
 from .weights import load_weights
 
-__all__ = ["ARCHITECTURES", "CausalLM", "ModelConfig", "load_model"]
+__all__ = [
+    "ARCHITECTURES",
+    "CausalLM",
+    "ModelConfig",
+    "build_model",
+    "load_model_weights",
+    "weight_bytes",
+]
 
 
-def load_model(
+def build_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, moe_backend: MoEBackend
+) -> CausalLM:
+    """The model on the meta device (instant, no memory): its weights' names, shapes and bytes
+    are known before any is loaded; `device` holds its tables that are no weights (RoPE's)."""
+    with torch.device("meta"), torch_dtype(dtype):
+        return CausalLM(config, moe_backend, device)
+
+
+def weight_bytes(model: CausalLM) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def load_model_weights(
+    model: CausalLM,
     model_path: Path,
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
-    moe_backend: MoEBackend,
     dummy_weights: bool = False,
-) -> CausalLM:
-    """Build the model on the meta device (instant, no memory), then stream its weights in and
-    pack those the CPU's matmuls want in a layout of their own."""
-    with torch.device("meta"), torch_dtype(dtype):
-        model = CausalLM(config, moe_backend, device)
+) -> None:
+    """Stream a built model's weights in, then pack those the CPU's matmuls want in a layout of
+    their own."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if dummy_weights:
         state = {name: _random_tensor(shape, device, dtype) for name, shape in expected.items()}
@@ -37,7 +55,6 @@ def load_model(
         state = dict(weights)
     model.load_state_dict(state)
     model.pack_weights()
-    return model
 
 
 def _random_tensor(
