@@ -3,6 +3,10 @@
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed all_gather_into_tensor (its old name warns once per rank); the GPU image's
+# torch (2.11) has only the old one
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sums every rank's `x` into it, in place."""
@@ -15,7 +19,7 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(
         (dist.get_world_size() * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device
     )
-    dist.all_gather_into_tensor(out, x.contiguous())
+    _all_gather_single(out, x.contiguous())
     return out
 
 
