@@ -256,6 +256,7 @@ __all__ = [
     "indexing",
     "linear",
     "linear_split_k",
+    "moe_route",
     "pack_weight",
     "read_tables",
     "rmsnorm",

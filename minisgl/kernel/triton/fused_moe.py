@@ -5,8 +5,9 @@ the intermediate is [pairs, inter], never [pairs, 2 * inter]:
 
 - a few tokens (decode): no grouping. The gate/up kernel is a GEMV per pair over its expert's
   rows (gemv.py's, gate and up rows interleaved); the down kernel reads a token's k experts'
-  rows in one loop, each h scaled by its routing weight, summed in fp32, so it writes [tokens,
-  hidden] itself. Both issue each tile's load before the previous tile's products.
+  rows in one loop (at one token, the first two as a block before its PDL wait), each h scaled
+  by its routing weight, summed in fp32, so it writes [tokens, hidden] itself. Both issue each
+  tile's load before the previous tile's products.
 - more tokens: the pairs grouped by expert in blocks (moe_align.py) and a grouped GEMM over the
   blocks, each program one block's rows times one tile of its expert. The gate/up kernel keeps a
   gate and an up accumulator for the same rows; the down kernel multiplies each row by its
@@ -80,7 +81,8 @@ def _moe_gemv_gate_up_kernel(
     W_EVICTION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # h[pair, n] for BLOCK_N // 2 features n: rows gate_n and up_n (N rows below) alternate.
-    # Each tile's load is issued before the previous tile's products (two in flight)
+    # Each tile's load is issued before the previous tile's products (two in flight). Every
+    # program passes its wait before anything else: the down kernel's early loads rely on it
     pair = tl.program_id(1)
     r = tl.arange(0, BLOCK_N)
     n = tl.program_id(0) * (BLOCK_N // 2) + r // 2
@@ -147,19 +149,20 @@ def _moe_gemv_down_kernel(
 ):  # fmt: skip
     # out[token, n] for BLOCK_N features n: one loop over the token's k experts' rows end to end,
     # each tile's load issued before the previous tile's products, so the next expert's rows are
-    # in flight while one's are summed; EARLY > 0: the first EARLY experts' rows (a tile holds a
-    # row) as one block ahead of the loop
+    # in flight while one's are summed; EARLY > 0: the first EARLY experts' rows as one block
+    # ahead of the loop (the host passes it only where one tile holds a whole row, K <= BLOCK_K)
     token = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k = tl.arange(0, BLOCK_K)
     steps = tl.cdiv(K, BLOCK_K)
-    pairs = token * TOP_K
-    # the ids were written before the gate/up kernel began, and its programs have all passed
-    # their wait when this one launches: the block and the loop's first tile load before the wait
+    first_pair = token * TOP_K
+    # the ids are the route's, two kernels back: the gate/up kernel lets this one launch once its
+    # programs have passed their wait, which returns once the route has finished (pdl.py), so
+    # the block and the loop's first tile load before this kernel's wait
     if EARLY > 0:
-        slots = pairs + tl.arange(0, EARLY)
-        experts = tl.load(ids_ptr + slots).to(tl.int64)
+        early_pairs = first_pair + tl.arange(0, EARLY)
+        experts = tl.load(ids_ptr + early_pairs).to(tl.int64)
         w_early = tl.load(
             w_ptr + experts[:, None, None] * stride_we + n[None, :, None] * stride_wn
             + k[None, None, :],
@@ -167,24 +170,24 @@ def _moe_gemv_down_kernel(
             eviction_policy=W_EVICTION,
         )  # fmt: skip
     w = _down_weights(
-        w_ptr, ids_ptr, pairs, EARLY, steps, n, n_mask, k, K, stride_we, stride_wn, BLOCK_K,
+        w_ptr, ids_ptr, first_pair, EARLY, steps, n, n_mask, k, K, stride_we, stride_wn, BLOCK_K,
         W_EVICTION,
     )  # fmt: skip
     wait_for_previous(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if EARLY > 0:
         h_early = tl.load(
-            h_ptr + slots[:, None] * stride_h + k[None, :], mask=(k < K)[None, :], other=0.0
+            h_ptr + early_pairs[:, None] * stride_h + k[None, :], mask=(k < K)[None, :], other=0.0
         ).to(tl.float32)
-        h_early *= tl.load(weights_ptr + slots).to(tl.float32)[:, None]
+        h_early *= tl.load(weights_ptr + early_pairs).to(tl.float32)[:, None]
         acc += tl.sum(w_early.to(tl.float32) * h_early[:, None, :], 0)
-    h = _down_input(h_ptr, weights_ptr, pairs, EARLY, steps, k, K, stride_h, BLOCK_K)
+    h = _down_input(h_ptr, weights_ptr, first_pair, EARLY, steps, k, K, stride_h, BLOCK_K)
     for i in range(EARLY + 1, TOP_K * steps):
         w_next = _down_weights(
-            w_ptr, ids_ptr, pairs, i, steps, n, n_mask, k, K, stride_we, stride_wn, BLOCK_K,
+            w_ptr, ids_ptr, first_pair, i, steps, n, n_mask, k, K, stride_we, stride_wn, BLOCK_K,
             W_EVICTION,
         )  # fmt: skip
-        h_next = _down_input(h_ptr, weights_ptr, pairs, i, steps, k, K, stride_h, BLOCK_K)
+        h_next = _down_input(h_ptr, weights_ptr, first_pair, i, steps, k, K, stride_h, BLOCK_K)
         acc += w.to(tl.float32) * h[None, :]
         w, h = w_next, h_next
     acc += w.to(tl.float32) * h[None, :]

@@ -18,6 +18,9 @@ first program also stores it.
 The gated epilogue computes silu(gate) * up for W = [W_gate; W_up] (the gate/up projection): a
 program reads the rows of both halves for its features, interleaved, so the activation costs no
 extra traffic and the down projection reads a finished input.
+
+At one row a GEMV that reads little (a MoE layer's router) may also pull a later kernel's weight
+into L2 before its wait (`warm`, l2_warm.py).
 """
 
 from typing import NamedTuple

@@ -9,12 +9,13 @@ chosen. Meanwhile:
 - the route kernel pulls the first rows of each chosen expert's gate and up weights, so the
   gate/up GEMV's first loads find them on their way.
 
-Each program issues one bulk prefetch of its share from one thread, which the copy engine runs
+Each program issues one bulk prefetch of its share from one thread, which the SM's TMA unit runs
 without holding the program's warps. Qwen3-30B-A3B at one request on an H100: 2.763 -> 2.726 ms
 a step from the router's, 2.665-2.675 with the route's and the down kernel's early experts too
 (benchmark/RESULTS.md, fifty-first session). Warming o_proj's weights from decode attention
-(from all its programs, or only from those with no keys to read), RoPE, or the next QKV from the
-experts' GEMVs made the step slower (forty-eighth and fifty-first sessions).
+(from all its programs, or only from those with no keys to read), from RoPE (its own two
+programs, or 8 to 64 more), or from the QKV GEMV, or the next QKV from the experts' GEMVs, made
+the step slower or gained nothing (forty-eighth, fifty-first and fifty-second sessions).
 """
 
 import functools
@@ -24,15 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import runs_hopper_ptx
+
 
 @functools.cache
 def can_warm(device: torch.device) -> bool:
-    """The bulk prefetch is Hopper's (sm_90); the interpreter runs no PTX."""
-    return (
-        device.type == "cuda"
-        and os.environ.get("TRITON_INTERPRET", "0") != "1"
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )
+    """The bulk prefetch is Hopper's (sm_90). MINISGL_L2_WARM=0 turns warming off (for
+    ablation)."""
+    return runs_hopper_ptx(device) and os.environ.get("MINISGL_L2_WARM", "1") != "0"
 
 
 def warm_args(weight: torch.Tensor | None, rows: int, stand_in: torch.Tensor) -> dict[str, object]:
@@ -59,9 +59,10 @@ def prefetch_l2(ptr, nbytes):
 
 @triton.jit
 def warm_l2(ptr, nbytes, WARM: tl.constexpr):
-    """This program's share of [ptr, ptr + nbytes) into L2 (128-byte lines, the last share cut
-    to 16 bytes; a hint may fall short)."""
+    """This program's share of [ptr, ptr + nbytes) into L2 (128-byte lines, the last share
+    rounded down to a multiple of 16 bytes; a hint may fall short)."""
     if WARM:
+        nbytes = nbytes.to(tl.int64)
         pid = tl.program_id(0) + tl.num_programs(0) * (
             tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
         )

@@ -1,5 +1,5 @@
 """The router of a mixture-of-experts layer in one kernel: softmax over the experts, top-k, and
-the rescale of the k weights to sum 1, one program per token, in fp32.
+the rescale of the k weights to sum 1, one program per token (at one token, more: below), in fp32.
 
 In torch the same is five to seven kernels per sparse layer (softmax, top-k's two, the sum, the
 division, the cast): about 20 us of a 76 us Qwen3-30B-A3B layer at one request (H200 profile).
@@ -17,7 +17,7 @@ from .l2_warm import can_warm, prefetch_l2
 from .pdl import pdl_args, wait_for_previous
 
 # the chosen experts' bytes warmed, split evenly over their gate and up rows: of 3, 6, 12 and 24
-# MiB, 6 paid most (Qwen3-30B-A3B at one request, H100: 2.691 -> 2.665-2.675 ms a step; 3 MiB
+# MiB, 6 paid most (Qwen3-30B-A3B at one request, H100: 2.691-2.699 -> 2.665-2.675 ms a step; 3 MiB
 # 2.700, 12 MiB 2.680, 24 MiB 2.703), in pieces of two programs per expert's gate or up rows
 _WARM_BYTES = 6 * 2**20
 _WARM_PROGRAMS_PER_CHUNK = 2
