@@ -149,13 +149,11 @@ def device_seconds(fn: Callable[[], Any], device: torch.device) -> float:
 def model_bytes(llm: LLM) -> tuple[int, int]:
     """(bytes of all weights, KV bytes per token) of the engine's model; a tied weight counts once.
     Under TP, rank 0's share: every rank reads its own at the same time, from its own memory."""
-    tensors = {t.data_ptr(): t for t in llm.engine.model.state_dict().values()}
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     mc = llm.engine.model_config
     kv_per_token = KVPool.bytes_per_token(
         mc.num_layers, llm.engine.num_kv_heads, mc.head_dim, llm.engine.dtype
     )
-    return weight_bytes, kv_per_token
+    return llm.engine.weight_bytes, kv_per_token
 
 
 def step_weight_bytes(llm: LLM, experts_per_layer: float | None) -> int:
